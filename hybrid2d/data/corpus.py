@@ -1,0 +1,206 @@
+"""Where training text comes from: the built-in corpus or the user's files, as plain documents.
+
+The built-in corpus is the Python standard library's own sources, because they exist on every
+machine that can run this trainer: a default run never downloads anything. A user corpus is a
+file or a directory of .txt / .jsonl / .parquet files. Bad input becomes one ConfigError line
+naming the setting, raised when `corpus_documents` is called, before any expensive work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import sys
+import sysconfig
+from collections.abc import Iterator
+
+from hybrid2d.config import ConfigError, DataConfig
+
+SUFFIXES = (".txt", ".jsonl", ".parquet")
+
+# Directory names under the stdlib that hold tests, demos or third-party code rather than the
+# library itself (test data is full of deliberately odd text; site-packages varies by machine).
+_SKIP_DIRS = frozenset(
+    {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "turtledemo"}
+)
+
+
+def default_corpus_files() -> list[pathlib.Path]:
+    """The stdlib's .py files minus test and third-party dirs, sorted by relative path.
+
+    Sorting by the relative path (not by os.walk order) makes the corpus, and therefore every
+    cache key and data order derived from it, identical across machines with the same Python.
+    """
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and not d.startswith(".")]
+        for name in filenames:
+            if name.endswith(".py") and not name.startswith("test_"):
+                files.append(pathlib.Path(dirpath, name))
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def source_files(cfg: DataConfig) -> list[pathlib.Path]:
+    """The data files behind cfg.path, or a ConfigError saying why there are none."""
+    if not cfg.path:
+        return default_corpus_files()
+    path = pathlib.Path(cfg.path).expanduser()
+    works = f"use a {'/'.join(SUFFIXES)} file, a directory of them, or '' for the built-in corpus"
+    if not path.exists():
+        raise ConfigError(f"data.path={cfg.path!r} does not exist; {works}")
+    if path.is_file():
+        if path.suffix not in SUFFIXES:
+            raise ConfigError(
+                f"data.path={cfg.path!r} has unsupported suffix {path.suffix!r}; {works}"
+            )
+        return [path]
+    # Other files in a data directory (README.md, .gitattributes, ...) are not documents.
+    files = sorted(
+        (
+            p
+            for p in path.rglob("*")
+            if p.is_file() and p.suffix in SUFFIXES and not p.name.startswith(".")
+        ),
+        key=lambda p: p.relative_to(path).as_posix(),
+    )
+    if not files:
+        raise ConfigError(
+            f"data.path={cfg.path!r} is a directory without any {'/'.join(SUFFIXES)} files; {works}"
+        )
+    return files
+
+
+def corpus_identity(cfg: DataConfig) -> str:
+    """A short hash that changes whenever the documents could change; the base of cache keys.
+
+    Built from the files' names, sizes and modification times (cheap: no file is read) plus the
+    settings that select text from them, so a cached tokenizer or token array is reused only for
+    the same corpus.
+    """
+    h = hashlib.sha256()
+    if cfg.path:
+        h.update(
+            f"path={pathlib.Path(cfg.path).expanduser().resolve()}\0"
+            f"field={cfg.text_field}\0".encode()
+        )
+    else:
+        h.update(f"stdlib={sys.version}\0".encode())
+    for p in source_files(cfg):
+        st = p.stat()
+        h.update(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    h.update(f"max_chars={cfg.max_chars if not cfg.path else 0}\0".encode())
+    return h.hexdigest()[:16]
+
+
+def corpus_documents(cfg: DataConfig) -> Iterator[str]:
+    """Every document of the corpus, in a fixed order.
+
+    Source errors (missing path, unsupported suffix, empty directory) are raised by this call
+    itself; errors found while reading (bad jsonl line, no documents at all) by the iteration.
+    `cfg.max_chars` limits only the built-in corpus: a user's own data is never cut silently.
+    """
+    files = source_files(cfg)
+    if not cfg.path:
+        return _stdlib_documents(files, cfg.max_chars)
+    return _user_documents(files, cfg)
+
+
+def _stdlib_documents(files: list[pathlib.Path], max_chars: int) -> Iterator[str]:
+    left = max_chars if max_chars > 0 else None
+    for p in files:
+        text = p.read_text(encoding="utf-8", errors="replace")
+        if left is not None:
+            text = text[:left]
+            left -= len(text)
+        if text:
+            yield text
+        if left == 0:
+            return
+
+
+def _user_documents(files: list[pathlib.Path], cfg: DataConfig) -> Iterator[str]:
+    count = 0
+    for p in files:
+        reader = {".txt": _read_txt, ".jsonl": _read_jsonl, ".parquet": _read_parquet}[p.suffix]
+        for doc in reader(p, cfg):
+            if doc:
+                count += 1
+                yield doc
+    if count == 0:
+        raise ConfigError(
+            f"data.path={cfg.path!r} holds no non-empty documents; point it to "
+            f"files with text (field data.text_field={cfg.text_field!r} for "
+            ".jsonl/.parquet)"
+        )
+
+
+def _read_txt(p: pathlib.Path, cfg: DataConfig) -> Iterator[str]:
+    try:
+        yield p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"data.path={cfg.path!r}: {p} is not UTF-8 text ({e.reason} at byte "
+            f"{e.start}); convert it to UTF-8"
+        ) from None
+
+
+def _read_jsonl(p: pathlib.Path, cfg: DataConfig) -> Iterator[str]:
+    field = cfg.text_field
+    with open(p, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(
+                    f"data.path={cfg.path!r}: {p}:{lineno} is not valid JSON "
+                    f"({e.msg}); write one JSON object per line"
+                ) from None
+            if not isinstance(record, dict) or field not in record:
+                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                raise ConfigError(
+                    f"data.text_field={field!r} is missing from {p}:{lineno} "
+                    f"(it has {keys}); set data.text_field to the text's key"
+                )
+            text = record[field]
+            if not isinstance(text, str):
+                raise ConfigError(
+                    f"data.text_field={field!r} in {p}:{lineno} is a "
+                    f"{type(text).__name__}, not a string; point data.text_field "
+                    "to a text field"
+                )
+            yield text
+
+
+def _read_parquet(p: pathlib.Path, cfg: DataConfig) -> Iterator[str]:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError(
+            f"data.path={cfg.path!r} holds .parquet files, which need pyarrow; "
+            "pip install pyarrow, or use .txt/.jsonl"
+        ) from None
+    pf = pq.ParquetFile(p)
+    names = pf.schema_arrow.names
+    if cfg.text_field not in names:
+        raise ConfigError(
+            f"data.text_field={cfg.text_field!r} is not a column of {p} (columns: "
+            f"{names}); set data.text_field to the text column"
+        )
+    kind = pf.schema_arrow.field(cfg.text_field).type
+    is_view = getattr(pa.types, "is_string_view", lambda _: False)  # pyarrow >= 16
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or is_view(kind)):
+        raise ConfigError(
+            f"data.text_field={cfg.text_field!r} in {p} is a {kind} column, not "
+            "text; set data.text_field to a string column"
+        )
+    # Batches keep memory flat for big files; nulls are skipped like empty documents.
+    for batch in pf.iter_batches(columns=[cfg.text_field], batch_size=4096):
+        for text in batch.column(0).to_pylist():
+            if text is not None:
+                yield text

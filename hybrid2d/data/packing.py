@@ -1,0 +1,55 @@
+"""Fixed-length training samples cut from the flat token stream.
+
+Sample i is the window tokens[i*seq_len : i*seq_len + seq_len + 1]: its first seq_len tokens are
+the inputs and its last seq_len the labels (next-token targets). Neighbouring windows share one
+token, so every token of the stream except the very first is a label exactly once. Documents run
+across window edges, separated only by EOS, so no compute is spent on padding.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from hybrid2d.config import ConfigError
+
+
+class PackedDataset:
+    """Windows of seq_len + 1 tokens over a 1-D token array (which may be a read-only mmap)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, source: str = ""):
+        if tokens.ndim != 1:
+            raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+        if seq_len < 1:
+            raise ConfigError(f"train.seq_len={seq_len} must be >= 1")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.num_samples = max(0, (len(tokens) - 1) // seq_len)
+        if self.num_samples == 0:
+            raise ConfigError(
+                f"data.path={source!r}{'' if source else ' (the built-in corpus)'} holds "
+                f"{len(tokens)} tokens, fewer than train.seq_len+1="
+                f"{seq_len + 1}; use more text (a larger data.max_chars for the built-in corpus) "
+                "or a smaller train.seq_len"
+            )
+        self._offsets = np.arange(seq_len + 1)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, labels) of sample i, each LongTensor[seq_len]."""
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"sample {i} out of range [0, {self.num_samples})")
+        inputs, labels = self.gather(np.array([i]))
+        return inputs[0], labels[0]
+
+    def gather(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, labels) of the given samples, each LongTensor[len(indices), seq_len].
+
+        One vectorized read: on an mmap only the touched pages are loaded.
+        """
+        idx = np.asarray(indices, dtype=np.int64)
+        windows = self.tokens[idx[:, None] * self.seq_len + self._offsets]
+        windows = torch.from_numpy(windows.astype(np.int64))
+        return windows[:, :-1], windows[:, 1:]

@@ -1,0 +1,131 @@
+"""The tokenizer: a user's tokenizer.json, or a byte-level BPE trained on the corpus and cached.
+
+Byte-level BPE needs no unknown token and round-trips any text exactly, so the built-in corpus
+trains a usable tokenizer of exactly the model's vocabulary size in seconds, with no download.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from hybrid2d.config import ConfigError, DataConfig
+from hybrid2d.data.cache import atomic_path, cache_key
+from hybrid2d.data.corpus import corpus_documents, corpus_identity
+
+EOS_TOKEN = "<|endoftext|>"
+# Document separators used by common tokenizer families (GPT-2/NeoX, Llama 1-2/Mistral,
+# Llama 3, Gemma), in order of preference.
+EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>")
+
+
+def load_or_train_tokenizer(cfg: DataConfig, vocab_size: int, cache_dir: pathlib.Path) -> Tokenizer:
+    """cfg.tokenizer loaded, or a cached BPE of exactly vocab_size tokens trained on the corpus."""
+    return find_tokenizer(cfg, vocab_size, pathlib.Path(cache_dir), build=True)
+
+
+def find_tokenizer(
+    cfg: DataConfig, vocab_size: int, cache_dir: pathlib.Path, build: bool
+) -> Tokenizer:
+    """The tokenizer for cfg; with build=False a missing cache entry is an error, not a job."""
+    if cfg.tokenizer:
+        tok = _load_user_tokenizer(cfg.tokenizer)
+    else:
+        path = trained_tokenizer_path(cfg, vocab_size, cache_dir)
+        if not path.exists():
+            if not build:
+                raise ConfigError(
+                    f"data.cache_dir={str(cache_dir)!r} has no trained tokenizer {path.name} after "
+                    "the main process built it; use a cache_dir every process can see"
+                )
+            with atomic_path(path) as tmp:
+                train_bpe(corpus_documents(cfg), vocab_size).save(str(tmp))
+        # Loading what was saved (also right after training) makes every process hash and use
+        # byte-identical tokenizers.
+        tok = Tokenizer.from_file(str(path))
+    n = vocab_extent(tok)
+    if n > vocab_size:
+        raise ConfigError(
+            f"data.tokenizer={cfg.tokenizer!r} has {n} tokens but model.vocab_size "
+            f"is {vocab_size}; set model.vocab_size >= {n}"
+        )
+    return tok
+
+
+def trained_tokenizer_path(
+    cfg: DataConfig, vocab_size: int, cache_dir: pathlib.Path
+) -> pathlib.Path:
+    """Where the BPE for this corpus and size lives: a directory with a tokenizer.json, so it can
+    also be passed back as data.tokenizer."""
+    key = cache_key("bpe-v1", corpus_identity(cfg), vocab_size, cfg.max_chars)
+    return pathlib.Path(cache_dir) / "tokenizers" / f"bpe{vocab_size}-{key}" / "tokenizer.json"
+
+
+def train_bpe(docs, vocab_size: int) -> Tokenizer:
+    """A byte-level BPE with exactly vocab_size tokens, EOS_TOKEN among them."""
+    if vocab_size < 257:
+        raise ConfigError(
+            f"model.vocab_size={vocab_size} is too small for a byte-level BPE "
+            "(256 bytes + <|endoftext|>); use >= 257"
+        )
+    tok = Tokenizer(models.BPE())
+    # add_prefix_space=False keeps decode(encode(text)) == text.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(docs, trainer=trainer)
+    # A small corpus can run out of pairs to merge before reaching vocab_size; reserved tokens
+    # fill the rest so the tokenizer and the model's embedding always agree on the size.
+    short = vocab_size - tok.get_vocab_size()
+    if short > 0:
+        tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(short)])
+    return tok
+
+
+def _load_user_tokenizer(setting: str) -> Tokenizer:
+    path = pathlib.Path(setting).expanduser()
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise ConfigError(
+            f"data.tokenizer={setting!r}: {path} does not exist; use a tokenizer.json"
+            ", a Hugging Face model directory holding one, or '' to train a BPE"
+        )
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library raises plain Exception on bad files
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(
+            f"data.tokenizer={setting!r}: {path} is not a tokenizers file ({first}); "
+            "use a tokenizer.json saved by the tokenizers library"
+        ) from None
+
+
+def vocab_extent(tok: Tokenizer) -> int:
+    """Rows an embedding needs for this tokenizer: its size, or the largest id + 1 if ids have
+    gaps."""
+    vocab = tok.get_vocab(with_added_tokens=True)
+    return max(tok.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
+
+
+def eos_id(tok: Tokenizer) -> int:
+    """The id of the end-of-document token placed between packed documents."""
+    for name in EOS_CANDIDATES:
+        i = tok.token_to_id(name)
+        if i is not None:
+            return i
+    raise ConfigError(
+        f"data.tokenizer has none of the end-of-text tokens {list(EOS_CANDIDATES)}; "
+        "use a tokenizer that defines one, or '' to train a BPE"
+    )
+
+
+def tokenizer_hash(tok: Tokenizer) -> str:
+    """Identity of a tokenizer for cache keys: a hash of its full serialized form."""
+    return cache_key(tok.to_str())

@@ -1,0 +1,158 @@
+"""Process group and the (dp_replicate, dp_shard, tp) DeviceMesh.
+
+tp is the innermost axis, so with ranks numbered node by node a tp group is contiguous ranks
+inside one node; dp_shard (FSDP) and dp_replicate (HSDP) span nodes. The device and the backend
+are chosen here once; the rest of the code takes them from the mesh.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from hybrid2d.config import ConfigError, JobConfig
+
+# accelerate's --parallelism_config_* flags reach the processes as these variables.
+LAUNCHER_MESH_ENV = {
+    "PARALLELISM_CONFIG_TP_SIZE": "tp",
+    "PARALLELISM_CONFIG_DP_SHARD_SIZE": "dp_shard",
+    "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "dp_replicate",
+}
+
+
+def world_from_env() -> tuple[int, int, int, int]:
+    """(rank, world_size, local_rank, local_world_size) as torchrun/accelerate set them."""
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return rank, world, local_rank, local_world
+
+
+def apply_launcher_settings(cfg: JobConfig, set_on_cli: set[str]) -> None:
+    """Take mesh sizes from accelerate's launch settings unless the command line set them."""
+    for env, name in LAUNCHER_MESH_ENV.items():
+        value = os.environ.get(env)
+        if value and f"parallel.{name}" not in set_on_cli:
+            try:
+                setattr(cfg.parallel, name, int(value))
+            except ValueError:
+                raise ConfigError(f"{env}={value!r} is not an integer") from None
+
+
+def pick_device(requested: str) -> str:
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device='cuda' but no CUDA device is visible; use cpu or auto")
+    return requested
+
+
+@dataclass
+class Mesh:
+    """The DeviceMesh and the sub-meshes each part of the trainer works over."""
+
+    mesh: DeviceMesh
+    flat_dp: DeviceMesh
+    device: torch.device
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.mesh["tp"]
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        """All data-parallel ranks (replicate x shard) as one axis: loss and batch sharding."""
+        return self.flat_dp
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """1-D for FSDP, 2-D (replicate, shard) for HSDP."""
+        if self.dp_replicate > 1:
+            return self.mesh["dp_replicate", "dp_shard"]
+        return self.mesh["dp_shard"]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp_mesh.get_local_rank()
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp_mesh.get_local_rank()
+
+
+def init_distributed(device_type: str, timeout_s: int) -> None:
+    """Start the default process group (a one-rank group when not launched by a launcher)."""
+    if dist.is_initialized():
+        return
+    rank, world, local_rank, _ = world_from_env()
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+    timeout = timedelta(seconds=timeout_s)
+    if "MASTER_ADDR" not in os.environ and world == 1:
+        store = dist.HashStore()
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+
+
+def tp_locality_warning(tp: int) -> str | None:
+    """A warning when a tp group would span nodes (tp > processes per node)."""
+    _, world, _, local_world = world_from_env()
+    if tp > local_world and world > 1:
+        return (
+            f"parallel.tp={tp} spans nodes (LOCAL_WORLD_SIZE={local_world}): tensor parallelism "
+            "communicates in every layer and is slow across nodes; prefer tp <= GPUs per node"
+        )
+    return None
+
+
+def build_mesh(device_type: str, dp_replicate: int, dp_shard: int, tp: int) -> Mesh:
+    message = tp_locality_warning(tp)
+    if message:
+        warnings.warn(message, stacklevel=2)
+    mesh = init_device_mesh(
+        device_type,
+        (dp_replicate, dp_shard, tp),
+        mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
+    )
+    flat_dp = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    device = (
+        torch.device(device_type, torch.cuda.current_device())
+        if device_type == "cuda"
+        else (torch.device("cpu"))
+    )
+    return Mesh(mesh, flat_dp, device, dp_replicate, dp_shard, tp)
+
+
+def set_cpu_threads() -> None:
+    """Share the cores between the processes of this node unless the user chose a count."""
+    if "OMP_NUM_THREADS" in os.environ:
+        torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
+        return
+    _, _, _, local_world = world_from_env()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+
+
+def is_main_process() -> bool:
+    return world_from_env()[0] == 0
+
+
+def print0(*args, file=sys.stdout) -> None:
+    if is_main_process():
+        print(*args, file=file, flush=True)

@@ -1,0 +1,199 @@
+"""The Llama 2 / 3 / 3.1 / 3.2 architecture, key for key HF `LlamaForCausalLM`.
+
+Parameter names, shapes and the RoPE convention (rotate-half, non-interleaved) match HF
+transformers, so a HF state dict loads with no renaming or permutation. The model is written so
+that tensor parallelism needs no model changes: attention reads its local head count from the
+projection outputs (`view(..., -1, head_dim)`), which is what column-parallel q/k/v produce.
+
+Build it on the meta device, parallelise, then `to_empty` and `init_weights`.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from hybrid2d.config import ModelConfig
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies of RoPE, with llama3 frequency scaling when configured."""
+    hd = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    if not cfg.rope_scaling_factor:
+        return inv_freq
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, a smooth ramp between.
+    factor = cfg.rope_scaling_factor
+    low_wavelen = cfg.rope_original_max_position / cfg.rope_low_freq_factor
+    high_wavelen = cfg.rope_original_max_position / cfg.rope_high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (cfg.rope_original_max_position / wavelen - cfg.rope_low_freq_factor) / (
+        cfg.rope_high_freq_factor - cfg.rope_low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hd = cfg.head_dim
+        self.head_dim = hd
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        # -1 heads: under tensor parallelism these are this rank's heads only.
+        q = self.q_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """The decoder stack; named `model` inside `Llama`, as in HF."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+
+class Llama(nn.Module):
+    """Causal LM. forward(tokens[b, s]) -> logits[b, s, vocab]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # Not persistent: HF's state dict has no rotary buffer either.
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        # Recompute each block's activations in backward instead of keeping them (see
+        # parallel/activation_checkpoint.py).
+        self.activation_checkpoint = False
+
+    def tie_weights(self) -> None:
+        """Re-point lm_head at the embedding (after parallelisation replaced either)."""
+        if self.cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def rope(self, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(seq_len, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = torch.outer(pos, self.inv_freq.float())
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.model.embed_tokens(tokens)
+        # Under sequence parallelism h is this rank's slice of the sequence, but attention sees
+        # the whole sequence, so RoPE tables are sized from the tokens.
+        cos, sin = self.rope(tokens.shape[1], h.dtype)
+        for layer in self.model.layers:
+            if self.activation_checkpoint and torch.is_grad_enabled():
+                h = checkpoint(layer, h, cos, sin, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin)
+        return self.lm_head(self.model.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Initialise every parameter identically whatever the mesh.
+
+        Each parameter's full value is drawn from a generator seeded by (seed, its name), then
+        each rank keeps its own shard. So a (2, 2) run and a single-process run start from the
+        same weights. Holds one full parameter at a time, never the whole model.
+        """
+        self.inv_freq.copy_(rope_inv_freq(self.cfg).to(self.inv_freq.device))
+        for name, param in self.named_parameters():
+            shape = tuple(param.shape)
+            if name.endswith("norm.weight"):
+                full = torch.ones(shape)
+            else:
+                gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                std = self.cfg.init_std
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    std = std / math.sqrt(2 * self.cfg.n_layers)
+                full = torch.randn(shape, generator=gen) * std
+            copy_full_into(param, full)
+
+
+def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a full (unsharded) tensor into a plain or DTensor parameter's local shard."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        # src_data_rank=None: every rank holds `full` and slices its own shard, no collective.
+        param.copy_(
+            distribute_tensor(
+                full.to(param.device, param.dtype),
+                param.device_mesh,
+                param.placements,
+                src_data_rank=None,
+            )
+        )
+    else:
+        param.copy_(full.to(param.device, param.dtype))

@@ -1,0 +1,78 @@
+"""Optimizer, learning-rate schedule and gradient-norm clipping over the whole mesh."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from hybrid2d.config import TrainConfig
+
+
+def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW (weight decay on matrices only, not on norms) or plain SGD."""
+    if t.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=t.lr)
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [
+        {"params": decay, "weight_decay": t.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
+
+
+def lr_multiplier(step: int, t: TrainConfig) -> float:
+    """Linear warmup over warmup_steps, then cosine decay to min_lr_ratio at the last step.
+
+    `step` counts optimizer steps already taken (0 for the first update).
+    """
+    if step < t.warmup_steps:
+        return (step + 1) / t.warmup_steps
+    span = max(1, t.steps - t.warmup_steps)
+    progress = min(1.0, (step - t.warmup_steps) / span)
+    return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_scheduler(opt: torch.optim.Optimizer, t: TrainConfig):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_multiplier(step, t))
+
+
+def _replication_weight(p: torch.Tensor, world_size: int) -> float:
+    """1 / (number of ranks in the world holding the same piece of p)."""
+    if not isinstance(p, DTensor):
+        return 1.0 / world_size
+    sharded_ways = 1
+    for size, placement in zip(p.device_mesh.shape, p.placements, strict=True):
+        # FSDP over a TP-sharded dim uses _StridedShard, which is not a Shard subclass.
+        if not (placement.is_replicate() or placement.is_partial()):
+            sharded_ways *= size
+    return sharded_ways / world_size
+
+
+@torch.no_grad()
+def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+    """Global L2 norm of all gradients across every rank, and clip them to max_norm.
+
+    One all-reduce over the world: each rank sums the squares of its local shards, weighted so
+    that a shard replicated on k ranks counts once. Same rule as torch.nn.utils.clip_grad_norm_
+    (coefficient max_norm / (norm + 1e-6), capped at 1). max_norm <= 0 only measures.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    device = grads[0].device if grads else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g
+        total += local.double().pow(2).sum() * _replication_weight(g, world)
+    if world > 1:
+        dist.all_reduce(total)
+    norm = total.sqrt().float()
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.dtype))
+    return norm

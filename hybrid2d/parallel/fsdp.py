@@ -1,0 +1,37 @@
+"""FSDP2 over the data-parallel axis: one unit per transformer block plus the root.
+
+Runs after tensor parallelism, so it shards the TP DTensors a second time (2-D). With
+dp_replicate > 1 the mesh is 2-D and FSDP2 does HSDP: shard inside, replicate across.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+def mixed_precision_policy(setting: str, device_type: str) -> MixedPrecisionPolicy:
+    """auto: bf16 compute with fp32 gradient reduction on CUDA; fp32 everywhere on CPU."""
+    if setting == "bf16" or (setting == "auto" and device_type == "cuda"):
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def apply_fsdp(
+    model: nn.Module,
+    fsdp_mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    reshard_after_forward: bool = True,
+) -> None:
+    layers = list(model.model.layers)
+    for i, block in enumerate(layers):
+        # The last block is needed again right away by backward: keep it gathered.
+        fully_shard(
+            block,
+            mesh=fsdp_mesh,
+            mp_policy=mp_policy,
+            reshard_after_forward=reshard_after_forward and i < len(layers) - 1,
+        )
+    fully_shard(model, mesh=fsdp_mesh, mp_policy=mp_policy, reshard_after_forward=False)

@@ -1,0 +1,65 @@
+"""Megatron-style tensor parallelism with sequence parallelism, as data: module path -> style.
+
+Between blocks the residual stream is sharded on the sequence dimension (Shard(1)); norms run on
+their sequence slice. Attention and MLP gather the sequence (PrepareModuleInput), q/k/v and
+gate/up are column-parallel (each rank owns whole heads / a slice of the ffn), o and down are
+row-parallel and reduce-scatter back to sequence shards. The embedding is vocab-parallel and the
+output projection leaves logits sharded on the vocabulary for loss parallelism, so no rank ever
+holds full logits.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+def llama_root_plan() -> dict[str, ParallelStyle]:
+    return {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "model.norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(
+            input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
+        ),
+    }
+
+
+def llama_block_plan() -> dict[str, ParallelStyle]:
+    return {
+        "input_layernorm": SequenceParallel(),
+        # (hidden, cos, sin): gather the sequence of the hidden states; RoPE tables are local.
+        "self_attn": PrepareModuleInput(
+            input_layouts=(Shard(1), None, None),
+            desired_input_layouts=(Replicate(), None, None),
+        ),
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "post_attention_layernorm": SequenceParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Shard a `Llama` over the 1-D tp mesh in place (no-op for tp == 1)."""
+    if tp_mesh.size() == 1:
+        return
+    parallelize_module(model, tp_mesh, llama_root_plan())
+    for block in model.model.layers:
+        parallelize_module(block, tp_mesh, llama_block_plan())
+    # Tied embeddings: both styles shard the [vocab, dim] weight on dim 0, so one DTensor
+    # parameter serves both after re-tying.
+    model.tie_weights()

@@ -1,0 +1,246 @@
+"""The training loop, built from the pieces of the other modules (see DESIGN.md's data flow)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from hybrid2d.config import ConfigError, JobConfig
+from hybrid2d.mesh import (
+    Mesh,
+    apply_launcher_settings,
+    build_mesh,
+    init_distributed,
+    pick_device,
+    print0,
+    set_cpu_threads,
+    world_from_env,
+)
+from hybrid2d.metrics import MetricsWriter, flops_per_token, peak_memory_bytes
+from hybrid2d.models.llama import Llama
+from hybrid2d.optim import build_optimizer, build_scheduler, clip_grad_norm
+from hybrid2d.parallel import parallelize
+
+
+def build_model(cfg: JobConfig, mesh: Mesh) -> Llama:
+    """Meta-device model -> TP -> AC -> compile -> FSDP -> materialise this rank's shards."""
+    with torch.device("meta"):
+        model = Llama(cfg.model)
+    parallelize(model, mesh, cfg.parallel)
+    model.to_empty(device=mesh.device)
+    model.tie_weights()
+    model.init_weights(cfg.train.seed)
+    return model
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean token loss; with vocab-sharded DTensor logits this runs under loss_parallel."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+def _local_scalar(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    seconds: float
+
+
+class Trainer:
+    """Model, optimizer and schedule on a mesh; `train_step` runs one optimizer step."""
+
+    def __init__(self, cfg: JobConfig, mesh: Mesh):
+        self.cfg = cfg
+        self.mesh = mesh
+        self.model = build_model(cfg, mesh)
+        self.optimizer = build_optimizer(self.model, cfg.train)
+        self.scheduler = build_scheduler(self.optimizer, cfg.train)
+        self.step = 0
+
+    def _loss_context(self):
+        return loss_parallel() if self.mesh.tp > 1 else contextlib.nullcontext()
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float):
+        with self._loss_context():
+            loss = cross_entropy(self.model(inputs), labels)
+            (loss * scale).backward()
+        return _local_scalar(loss.detach())
+
+    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
+        """Forward/backward over this dp rank's micro batches, clip, step.
+
+        Each micro batch's mean loss is scaled by 1/n so the gradient is that of the mean over
+        the rank's batch; FSDP's reduce-scatter then averages over dp ranks.
+        """
+        start = time.perf_counter()
+        self.model.train()
+        device = self.mesh.device
+        n = len(micro_batches)
+        loss_sum = torch.zeros((), device=device)
+        for inputs, labels in micro_batches:
+            loss_sum += self.forward_backward(inputs.to(device), labels.to(device), 1.0 / n)
+        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        loss = self.dp_mean(loss_sum / n)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return StepResult(self.step, loss, grad_norm.item(), lr, time.perf_counter() - start)
+
+    def dp_mean(self, value: torch.Tensor) -> float:
+        """Average over data-parallel ranks (tp ranks of a dp group already agree)."""
+        if self.mesh.dp == 1:
+            return value.item()
+        value = value.detach().clone()
+        dist.all_reduce(value, group=self.mesh.dp_mesh.get_group())
+        return (value / self.mesh.dp).item()
+
+
+# ---- the whole run --------------------------------------------------------------------------
+
+
+def _prepare_run_dir(cfg: JobConfig) -> str:
+    """Rank 0 names and creates the run directory; every rank learns the same name."""
+    name = [None]
+    if dist.get_rank() == 0:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        path = cfg.metrics.run_dir.format(recipe=cfg.recipe, time=stamp)
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(cfg.to_dict(), f, indent=2)
+        name[0] = path
+    dist.broadcast_object_list(name, src=0)
+    return name[0]
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled or dist.get_rank() != 0:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
+
+
+def run(cfg: JobConfig, set_on_cli: frozenset[str] | set[str] = frozenset()) -> dict:
+    """Validate, start the process group, train, summarise, shut down. Returns the summary."""
+    apply_launcher_settings(cfg, set(set_on_cli))
+    _, world, _, _ = world_from_env()
+    dp_rep, dp_shard, tp = cfg.validate(world)
+    device_type = pick_device(cfg.train.device)
+    if device_type == "cpu":
+        set_cpu_threads()
+    init_distributed(device_type, cfg.parallel.timeout_s)
+    try:
+        return _train(cfg, build_mesh(device_type, dp_rep, dp_shard, tp))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(cfg: JobConfig, mesh: Mesh) -> dict:
+    from hybrid2d.data import build_data
+
+    torch.manual_seed(cfg.train.seed)
+    run_dir = _prepare_run_dir(cfg)
+    main = dist.get_rank() == 0
+    print0(
+        f"hybrid2d: recipe {cfg.recipe}, {cfg.model.num_params() / 1e6:.1f}M params, mesh "
+        f"dp_replicate={mesh.dp_replicate} x dp_shard={mesh.dp_shard} x tp={mesh.tp} on "
+        f"{mesh.device.type} ({dist.get_backend()}), run dir {run_dir}"
+    )
+    loader, _ = build_data(cfg, mesh.dp_rank, mesh.dp, main, dist.barrier)
+    trainer = Trainer(cfg, mesh)
+    writer = MetricsWriter(run_dir if main else None, cfg.metrics.tensorboard)
+    bar = _progress(cfg.train.steps, cfg.metrics.progress_bar)
+    tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
+    fpt = flops_per_token(cfg.model, cfg.train.seq_len)
+    losses, times = [], []
+    wall_start = time.perf_counter()
+    try:
+        while trainer.step < cfg.train.steps:
+            result = trainer.train_step(loader.next_batch())
+            if not math.isfinite(result.loss) or not math.isfinite(result.grad_norm):
+                raise FloatingPointError(
+                    f"step {result.step}: loss {result.loss}, grad norm {result.grad_norm}"
+                )
+            losses.append(result.loss)
+            times.append(result.seconds)
+            tps = tokens_per_step / result.seconds
+            if result.step % cfg.metrics.log_every == 0 or result.step == cfg.train.steps:
+                writer.scalars(
+                    result.step,
+                    {
+                        "train/loss": result.loss,
+                        "train/lr": result.lr,
+                        "train/grad_norm": result.grad_norm,
+                        "perf/tokens_per_s": tps,
+                        "perf/step_time_s": result.seconds,
+                        "perf/tflops_per_rank": fpt * tps / dist.get_world_size() / 1e12,
+                        "memory/peak_gib": peak_memory_bytes(mesh.device) / 2**30,
+                    },
+                )
+            if bar is not None:
+                bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{tps:,.0f}")
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+        writer.close()
+    wall = time.perf_counter() - wall_start
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, peak_memory_bytes(mesh.device))
+    # Skip the first steps (allocation, warm-up) when there are enough to measure steady state.
+    steady = times[3:] if len(times) > 6 else times
+    summary = {
+        "recipe": cfg.recipe,
+        "mesh": {"dp_replicate": mesh.dp_replicate, "dp_shard": mesh.dp_shard, "tp": mesh.tp},
+        "steps": trainer.step,
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+        "losses": losses,
+        "tokens_per_s": tokens_per_step * len(steady) / sum(steady) if steady else 0.0,
+        "time_s": wall,
+        "peak_memory_bytes_per_rank": peaks,
+        "run_dir": run_dir,
+    }
+    if main:
+        with open(os.path.join(run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        print(format_summary(summary), flush=True)
+    return summary
+
+
+def format_summary(s: dict) -> str:
+    peaks = ", ".join(f"{b / 2**20:.0f}" for b in s["peak_memory_bytes_per_rank"])
+    return "\n".join(
+        [
+            "summary",
+            f"  steps          {s['steps']}",
+            f"  loss           {s['first_loss']:.4f} -> {s['last_loss']:.4f}",
+            f"  tokens/s       {s['tokens_per_s']:,.0f}",
+            f"  time           {s['time_s']:.1f} s",
+            f"  peak MiB/rank  {peaks}",
+            f"  run dir        {s['run_dir']}",
+        ]
+    )
+
+
+__all__ = ["Trainer", "build_model", "run", "cross_entropy", "ConfigError"]

@@ -1,0 +1,68 @@
+"""The README's main job, shortened: accelerate launch with the CPU 2x2 config."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.launch import REPO, free_port
+
+pytestmark = pytest.mark.slow
+
+SCALARS = {
+    "train/loss",
+    "train/lr",
+    "train/grad_norm",
+    "perf/tokens_per_s",
+    "perf/step_time_s",
+    "memory/peak_gib",
+}
+
+
+def test_accelerate_launch_2x2_trains(tmp_path):
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            "recipes/accelerate/cpu_2x2.yaml",
+            "--main_process_port",
+            str(free_port()),
+            "recipes/llama.py",
+            "--train.steps",
+            "30",
+            "--metrics.run_dir",
+            str(run_dir),
+            "--data.cache_dir",
+            str(tmp_path / "cache"),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "dp_shard=2 x tp=2" in proc.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
+    losses = summary["losses"]
+    assert len(losses) == 30
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses
+    assert len(summary["peak_memory_bytes_per_rank"]) == 4
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert SCALARS <= tags, tags
+    logged = [e.value for e in acc.Scalars("train/loss")]
+    assert logged == pytest.approx(losses, rel=1e-6)

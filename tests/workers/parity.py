@@ -1,0 +1,49 @@
+"""Worker: train a tiny model on a (dp, tp) mesh on fixed global batches; rank 0 saves results.
+
+usage: parity.py OUT DP TP OPTIMIZER GRAD_CLIP [DP_REPLICATE]
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from hybrid2d.config import JobConfig
+from hybrid2d.mesh import build_mesh, init_distributed
+from tests.reference import global_batches, tiny_config
+
+
+def main():
+    out, dp, tp, optimizer, clip = sys.argv[1:6]
+    dp_rep = int(sys.argv[6]) if len(sys.argv) > 6 else 1
+    cfg: JobConfig = tiny_config(optimizer=optimizer, grad_clip=float(clip))
+    cfg.parallel.tp = int(tp)
+    cfg.parallel.dp_replicate = dp_rep
+    cfg.parallel.dp_shard = int(dp) // dp_rep
+    world = int(dp) * int(tp)
+    cfg.validate(world)
+    init_distributed("cpu", 120)
+    from hybrid2d.trainer import Trainer
+
+    mesh = build_mesh("cpu", dp_rep, int(dp) // dp_rep, int(tp))
+    trainer = Trainer(cfg, mesh)
+    losses, norms = [], []
+    per_rank = cfg.train.global_batch // mesh.dp
+    for inputs, labels in global_batches(cfg):
+        lo = mesh.dp_rank * per_rank
+        mb = cfg.train.micro_batch or per_rank
+        micro = [(inputs[i : i + mb], labels[i : i + mb]) for i in range(lo, lo + per_rank, mb)]
+        r = trainer.train_step(micro)
+        losses.append(r.loss)
+        norms.append(r.grad_norm)
+    params = {}
+    for name, p in trainer.model.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        params[name] = full.detach().clone()
+    if dist.get_rank() == 0:
+        torch.save({"losses": losses, "norms": norms, "params": params}, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
