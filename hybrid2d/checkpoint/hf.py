@@ -1,0 +1,516 @@
+"""Hugging Face Llama checkpoints: config.json <-> ModelConfig, and loading weights at start-up.
+
+`--checkpoint.init_from hf:PATH` reads a HF model directory straight into the sharded model:
+every rank reads only the bytes of its own shard of each parameter (a TP x FSDP shard is one
+rectangular block of the full tensor), so no rank ever holds the full model.
+`--checkpoint.init_from dcp:PATH` loads the "model" entry of a DCP checkpoint (one written by
+tools/convert_hf_to_dcp.py, or a training checkpoint's step directory, whose "optimizer" and
+"trainer" entries are left alone).
+
+The DCP layout shared with training checkpoints (hybrid2d/checkpoint/dcp.py): the saved state
+dict is {"model": {<HF parameter name>: tensor}}; training checkpoints add "optimizer" and
+"trainer" entries. With tied embeddings only `model.embed_tokens.weight` is required.
+
+Every check that can fail runs on every rank before any collective, so a bad checkpoint is one
+error line on each rank and no rank waits for the others.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from hybrid2d.checkpoint.hf_safetensors import CheckpointError, HFCheckpoint
+from hybrid2d.config import JobConfig, ModelConfig
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+# HF files of some transformers-4 versions carry these buffers; they are recomputed, not loaded.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+# (ModelConfig field, config.json key) in the order mismatches are reported: shapes first.
+FIELD_TO_HF = (
+    ("dim", "hidden_size"),
+    ("n_layers", "num_hidden_layers"),
+    ("n_heads", "num_attention_heads"),
+    ("n_kv_heads", "num_key_value_heads"),
+    ("ffn_dim", "intermediate_size"),
+    ("vocab_size", "vocab_size"),
+    ("tie_embeddings", "tie_word_embeddings"),
+    ("norm_eps", "rms_norm_eps"),
+    ("rope_theta", "rope_theta"),
+    ("rope_scaling_factor", "rope_scaling.factor"),
+    ("rope_low_freq_factor", "rope_scaling.low_freq_factor"),
+    ("rope_high_freq_factor", "rope_scaling.high_freq_factor"),
+    ("rope_original_max_position", "rope_scaling.original_max_position_embeddings"),
+    ("max_position_embeddings", "max_position_embeddings"),
+)
+_ROPE_SCALING_FIELDS = {
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_position",
+}
+
+
+# ---- config.json <-> ModelConfig -------------------------------------------------------------
+
+
+def _rope_settings(hf: dict) -> tuple[float, dict | None]:
+    """(rope_theta, scaling dict or None) from either config.json convention.
+
+    transformers 5 writes `rope_parameters` (rope_theta inside); transformers 4 wrote top-level
+    `rope_theta` and `rope_scaling` (with `rope_type`, or `type` in older files).
+    """
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+        scaling = params
+    else:
+        theta = hf.get("rope_theta", 10000.0)
+        scaling = hf.get("rope_scaling")
+    if not scaling:
+        return float(theta), None
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise CheckpointError(
+            f"config.json rope type {kind!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    return float(theta), (scaling if kind == "llama3" else None)
+
+
+def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
+    """ModelConfig for a HF LlamaForCausalLM config.json; anything it cannot represent raises."""
+    archs = hf.get("architectures") or []
+    if not archs and hf.get("model_type") == "llama":
+        archs = ["LlamaForCausalLM"]
+    unsupported = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
+    if unsupported or not archs:
+        name = unsupported[0] if unsupported else f"model_type={hf.get('model_type')!r}"
+        raise CheckpointError(
+            f"{where}: unsupported architecture {name}; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    for key in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "intermediate_size",
+        "vocab_size",
+    ):
+        if not isinstance(hf.get(key), int):
+            raise CheckpointError(f"{where}: {key} is missing or not an integer")
+    for key, supported in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        value = hf.get(key, supported)
+        if value != supported:
+            raise CheckpointError(
+                f"{where}: {key}={value!r} is not supported; hybrid2d's Llama needs {supported!r}"
+            )
+    dim, heads = hf["hidden_size"], hf["num_attention_heads"]
+    if dim % heads:
+        raise CheckpointError(
+            f"{where}: hidden_size={dim} is not divisible by num_attention_heads={heads}"
+        )
+    head_dim = hf.get("head_dim")
+    if head_dim is not None and head_dim != dim // heads:
+        raise CheckpointError(
+            f"{where}: head_dim={head_dim} differs from hidden_size/num_attention_heads="
+            f"{dim // heads}; hybrid2d's Llama supports only head_dim == hidden_size // "
+            "num_attention_heads"
+        )
+    theta, scaling = _rope_settings(hf)
+    cfg = ModelConfig(
+        dim=dim,
+        n_layers=hf["num_hidden_layers"],
+        n_heads=heads,
+        n_kv_heads=hf.get("num_key_value_heads") or heads,
+        ffn_dim=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"],
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )
+    if scaling is not None:
+        try:
+            cfg.rope_scaling_factor = float(scaling["factor"])
+            cfg.rope_low_freq_factor = float(scaling["low_freq_factor"])
+            cfg.rope_high_freq_factor = float(scaling["high_freq_factor"])
+            cfg.rope_original_max_position = int(scaling["original_max_position_embeddings"])
+        except KeyError as e:
+            raise CheckpointError(f"{where}: llama3 rope scaling lacks {e.args[0]}") from None
+    if heads % cfg.n_kv_heads:
+        raise CheckpointError(
+            f"{where}: num_attention_heads={heads} is not divisible by num_key_value_heads="
+            f"{cfg.n_kv_heads}"
+        )
+    return cfg
+
+
+def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
+    """A config.json for LlamaForCausalLM. RoPE is written the transformers-4 way (top-level
+    rope_theta / rope_scaling), which transformers 4 and 5 both read."""
+    scaling = None
+    if cfg.rope_scaling_factor:
+        scaling = {
+            "rope_type": "llama3",
+            "factor": cfg.rope_scaling_factor,
+            "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_position,
+        }
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": cfg.dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.ffn_dim,
+        "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": scaling,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "initializer_range": cfg.init_std,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def config_mismatch(ckpt: ModelConfig, model: ModelConfig) -> tuple[str, str, object, object]:
+    """The first (field, config.json key, checkpoint value, model value) that differs, or ()."""
+    for name, hf_key in FIELD_TO_HF:
+        if name in _ROPE_SCALING_FIELDS and not ckpt.rope_scaling_factor:
+            continue
+        a, b = getattr(ckpt, name), getattr(model, name)
+        same = math.isclose(a, b, rel_tol=1e-9) if isinstance(a, float) else a == b
+        if not same:
+            return name, hf_key, a, b
+    return ()
+
+
+def check_model_config(ckpt: ModelConfig, model: ModelConfig, source: str, what: str) -> None:
+    bad = config_mismatch(ckpt, model)
+    if bad:
+        name, hf_key, a, b = bad
+        raise CheckpointError(
+            f"checkpoint.init_from={source}: {what} {hf_key}={a} but model.{name}={b}; set "
+            f"--model.{name} {a} or use a recipe that matches the checkpoint"
+        )
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF parameter name -> shape for this config, in the model's order. With tied embeddings
+    lm_head.weight is left out (it is model.embed_tokens.weight)."""
+    from hybrid2d.models.llama import Llama
+
+    with torch.device("meta"):
+        model = Llama(cfg)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def optional_names(cfg: ModelConfig) -> set[str]:
+    """Names a checkpoint may hold beyond expected_shapes (lm_head.weight when tied)."""
+    return {"lm_head.weight"} if cfg.tie_embeddings else set()
+
+
+def check_tensor_names(
+    found: dict[str, tuple[int, ...]], cfg: ModelConfig, where: str, what: str = "config.json"
+) -> list[str]:
+    """Raise on the first missing, unexpected or mis-shaped tensor; return the names to copy.
+
+    `found` maps the checkpoint's tensor names to shapes.
+    """
+    want = expected_shapes(cfg)
+    for name, shape in want.items():
+        if name not in found:
+            raise CheckpointError(f"{where}: tensor {name} (shape {list(shape)}) is missing")
+        if tuple(found[name]) != shape:
+            raise CheckpointError(
+                f"{where}: tensor {name} has shape {list(found[name])} but {what} implies "
+                f"{list(shape)}"
+            )
+    extra_ok = optional_names(cfg)
+    names = []
+    for name, shape in found.items():
+        if name in want:
+            names.append(name)
+        elif name in extra_ok and tuple(shape) == want["model.embed_tokens.weight"]:
+            names.append(name)
+        elif not name.endswith(IGNORED_SUFFIXES):
+            raise CheckpointError(
+                f"{where}: unexpected tensor {name} (shape {list(shape)}) for a Llama with "
+                f"this {what}"
+            )
+    order = {n: i for i, n in enumerate([*want, "lm_head.weight"])}
+    return sorted(names, key=lambda n: order[n])
+
+
+# ---- loading into a (sharded) model ----------------------------------------------------------
+
+
+@dataclass
+class LoadReport:
+    source: str
+    tensors: int = 0
+    bytes_read: int = 0  # tensor bytes this rank read from disk (hf:)
+    checkpoint_bytes: int = 0  # bytes of the model's tensors in the checkpoint
+    seconds: float = 0.0
+    per_tensor: dict[str, int] = field(default_factory=dict)
+
+
+_last_report: LoadReport | None = None
+
+
+def last_load_report() -> LoadReport | None:
+    """What the most recent load_pretrained call on this process read (for logs and tests)."""
+    return _last_report
+
+
+def parse_init_from(spec: str) -> tuple[str, str]:
+    kind, sep, path = spec.partition(":")
+    if not sep or kind not in ("hf", "dcp") or not path:
+        raise CheckpointError(
+            f"checkpoint.init_from={spec!r} is not 'hf:PATH' (a Hugging Face model directory) "
+            "or 'dcp:PATH' (a DCP checkpoint directory)"
+        )
+    return kind, os.path.expanduser(path)
+
+
+def local_block(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offsets, sizes) of this rank's piece of a parameter in the full tensor.
+
+    For a DTensor the piece is one rectangular block for the layouts TP and FSDP2 produce:
+    per dimension, plain Shards split the range in mesh order (torch.chunk semantics), and an
+    FSDP-over-TP `_StridedShard(d, split_factor=f)` then splits what the Shard(d) dims to its
+    right (whose sizes multiply to f) left on this rank. The result is checked against
+    torch's compute_local_shape_and_global_offset and the local tensor's shape.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if not isinstance(param, DTensor):
+        return (0,) * param.ndim, tuple(param.shape)
+    mesh, placements = param.device_mesh, param.placements
+    coord = mesh.get_coordinate()
+    starts = [0] * param.ndim
+    sizes = list(param.shape)
+
+    def split(dim: int, mesh_dim: int) -> None:
+        n = mesh.size(mesh_dim)
+        chunk = math.ceil(sizes[dim] / n) if sizes[dim] else 0
+        lo = min(coord[mesh_dim] * chunk, sizes[dim])
+        hi = min(lo + chunk, sizes[dim])
+        starts[dim] += lo
+        sizes[dim] = hi - lo
+
+    strided = []
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, _StridedShard):
+            strided.append((mesh_dim, p))
+        elif isinstance(p, Shard):
+            split(p.dim, mesh_dim)
+    for mesh_dim, p in reversed(strided):
+        right = [
+            mesh.size(j)
+            for j in range(mesh_dim + 1, len(placements))
+            if isinstance(placements[j], Shard)
+            and not isinstance(placements[j], _StridedShard)
+            and placements[j].dim == p.dim
+        ]
+        if math.prod(right) != p.split_factor:
+            raise NotImplementedError(f"unsupported DTensor layout {placements} for sliced loads")
+        split(p.dim, mesh_dim)
+    shape, offset = compute_local_shape_and_global_offset(param.shape, mesh, placements)
+    local = tuple(param.to_local().shape)
+    if (
+        tuple(sizes) != tuple(shape)
+        or tuple(sizes) != local
+        or (math.prod(sizes) and tuple(starts) != tuple(offset))
+    ):
+        raise NotImplementedError(
+            f"shard layout disagreement for {placements}: derived {starts}+{sizes}, torch "
+            f"{list(offset)}+{list(shape)}, local {list(local)}"
+        )
+    return tuple(starts), tuple(sizes)
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def _recompute_buffers(model: nn.Module) -> None:
+    """Buffers are not in checkpoints (HF has none either): the RoPE table is recomputed."""
+    from hybrid2d.models.llama import rope_inv_freq
+
+    model.inv_freq.copy_(rope_inv_freq(model.cfg).to(model.inv_freq.device))
+
+
+def check_hf_source(path: str, cfg: ModelConfig, source: str) -> tuple[HFCheckpoint, list[str]]:
+    """Open a HF dir and check its config and tensors against cfg; return it and the names."""
+    ckpt = HFCheckpoint(path)
+    try:
+        hf_cfg = model_config_from_hf(ckpt.config, os.path.join(path, "config.json"))
+        check_model_config(hf_cfg, cfg, source, "config.json")
+        shapes = {n: t.shape for n, t in ckpt.tensors.items()}
+        names = check_tensor_names(shapes, cfg, f"checkpoint.init_from={source}")
+    except BaseException:
+        ckpt.close()
+        raise
+    return ckpt, names
+
+
+@torch.no_grad()
+def load_hf(model: nn.Module, path: str, source: str | None = None) -> LoadReport:
+    """Read a HF directory into `model` (plain or TP/FSDP-sharded), each rank only its blocks."""
+    source = source or f"hf:{path}"
+    start = time.perf_counter()
+    ckpt, names = check_hf_source(path, model.cfg, source)
+    report = LoadReport(source)
+    with ckpt:
+        params = dict(model.named_parameters())
+        for name, param in params.items():
+            offsets, sizes = local_block(param)
+            block = ckpt.read_slice(name, offsets, sizes)
+            _local(param).copy_(block)
+            report.per_tensor[name] = block.numel() * block.element_size()
+            report.checkpoint_bytes += ckpt.tensors[name].nbytes
+            report.tensors += 1
+        report.bytes_read = ckpt.bytes_read
+    _recompute_buffers(model)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+# ---- DCP ("model" entry only) ----------------------------------------------------------------
+
+
+def read_dcp_model_metadata(path: str, where: str) -> dict[str, tuple[tuple[int, ...], object]]:
+    """HF name -> (shape, dtype) of the tensors under the "model" entry of a DCP checkpoint."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{where}: {path} is not a directory")
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        entries = sorted(os.listdir(path))
+        hint = f" (found {', '.join(entries[:5])})" if entries else " (it is empty)"
+        raise CheckpointError(
+            f"{where}: {path} has no .metadata{hint}; point at a DCP checkpoint directory, "
+            "e.g. a training checkpoint's step directory"
+        )
+    try:
+        md = FileSystemReader(path).read_metadata()
+    except Exception as e:  # noqa: BLE001 - pickle raises anything on a corrupt file
+        raise CheckpointError(f"{where}: cannot read {path}/.metadata ({e!r})") from None
+    mapping = md.planner_data or {}
+    out = {}
+    for key, item in md.state_dict_metadata.items():
+        parts = mapping.get(key)
+        if parts is not None:
+            if len(parts) != 2 or parts[0] != "model":
+                continue
+            name = parts[1]
+        elif key.startswith("model."):
+            name = key[len("model.") :]
+        else:
+            continue
+        if not isinstance(item, TensorStorageMetadata):
+            raise CheckpointError(f"{where}: model entry {name} is not a tensor")
+        out[name] = (tuple(item.size), item.properties.dtype)
+    if not out:
+        raise CheckpointError(
+            f"{where}: {path} has no 'model' entry; expected a checkpoint saved as "
+            "{'model': {<HF names>: tensors}, ...}"
+        )
+    return out
+
+
+def read_saved_model_config(path: str) -> ModelConfig | None:
+    """The model section of a DCP directory's config.json (hybrid2d JobConfig), or None."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        return None
+    try:
+        with open(cfg_path) as f:
+            data = json.load(f)
+    except ValueError as e:
+        raise CheckpointError(f"{cfg_path} is not valid JSON ({e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+        return None
+    return JobConfig.from_dict({"model": data["model"]}).model
+
+
+def check_dcp_source(path: str, cfg: ModelConfig, source: str) -> list[str]:
+    where = f"checkpoint.init_from={source}"
+    found = read_dcp_model_metadata(path, where)
+    saved = read_saved_model_config(path)
+    if saved is not None:
+        check_model_config(saved, cfg, source, "config.json model")
+    names = check_tensor_names({n: s for n, (s, _) in found.items()}, cfg, where, "the model")
+    return names
+
+
+@torch.no_grad()
+def load_dcp(model: nn.Module, path: str, source: str | None = None) -> LoadReport:
+    """Load the "model" entry of a DCP checkpoint into `model`; other entries are not read."""
+    import warnings
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    source = source or f"dcp:{path}"
+    start = time.perf_counter()
+    check_dcp_source(path, model.cfg, source)
+    params = dict(model.named_parameters())  # tied: only model.embed_tokens.weight
+    state = {"model": params}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
+        dcp.load(
+            state,
+            storage_reader=dcp.FileSystemReader(path),
+            no_dist=not (dist.is_available() and dist.is_initialized()),
+        )
+    _recompute_buffers(model)
+    report = LoadReport(source, tensors=len(params))
+    report.checkpoint_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def load_pretrained(model: nn.Module, spec: str) -> LoadReport:
+    """`checkpoint.init_from` for a model whose shards are allocated (after to_empty): fills
+    every parameter and recomputes the buffers. Raises CheckpointError (one line) on any
+    mismatch, on every rank, before any collective."""
+    global _last_report
+    kind, path = parse_init_from(spec)
+    report = load_hf(model, path, spec) if kind == "hf" else load_dcp(model, path, spec)
+    _last_report = report
+    return report
+
+
+def describe_load(report: LoadReport) -> str:
+    mib = 2**20
+    if report.bytes_read:
+        share = report.bytes_read / max(report.checkpoint_bytes, 1)
+        read = (
+            f"rank 0 read {report.bytes_read / mib:.1f} MiB of {report.checkpoint_bytes / mib:.1f}"
+            f" MiB ({share:.0%})"
+        )
+    else:
+        read = f"{report.checkpoint_bytes / mib:.1f} MiB"
+    return f"init_from {report.source}: {report.tensors} tensors, {read} in {report.seconds:.1f} s"
