@@ -39,7 +39,13 @@ def build_model(cfg: JobConfig, mesh: Mesh) -> Llama:
     parallelize(model, mesh, cfg.parallel)
     model.to_empty(device=mesh.device)
     model.tie_weights()
-    model.init_weights(cfg.train.seed)
+    if cfg.checkpoint.init_from:
+        from hybrid2d.checkpoint.hf import describe_load, load_pretrained
+
+        # hf:PATH / dcp:PATH: each rank reads its own shards; also recomputes the RoPE buffer.
+        print0(describe_load(load_pretrained(model, cfg.checkpoint.init_from)))
+    else:
+        model.init_weights(cfg.train.seed)
     return model
 
 
