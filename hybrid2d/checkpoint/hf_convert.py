@@ -1,0 +1,378 @@
+"""Offline conversion HF safetensors <-> DCP, one tensor in memory at a time.
+
+HF -> DCP: `dcp.save` is given a state dict of *meta* tensors (shapes and dtypes only) and a
+planner whose `resolve_data` reads each tensor from the safetensors file when DCP writes it.
+`FileSystemWriter(single_file_per_rank=False)` writes one file per tensor; with a single file per
+rank DCP's writer keeps every tensor of the file alive until the file is closed (it collects
+them for its optional safetensors output), which would hold the whole model.
+
+DCP -> HF: shard boundaries and headers are computed from the DCP metadata, then each tensor is
+loaded alone (`dcp.load` of a one-entry state dict) and appended to its safetensors file.
+
+Peak memory is measured as the growth of the process's peak resident set (Linux VmHWM, reset
+at the start through /proc/self/clear_refs; a 2 ms RSS sampler elsewhere).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from hybrid2d.checkpoint.hf import (
+    check_tensor_names,
+    hf_config_from_model,
+    model_config_from_hf,
+    read_dcp_model_metadata,
+    read_saved_model_config,
+)
+from hybrid2d.checkpoint.hf_safetensors import (
+    AUX_FILES,
+    INDEX_NAME,
+    SINGLE_NAME,
+    CheckpointError,
+    HFCheckpoint,
+    TensorSpec,
+    plan_shards,
+    write_safetensors,
+)
+from hybrid2d.config import JobConfig, ModelConfig
+
+HF_CONFIG_COPY = "hf_config.json"  # the source's HF config.json, kept verbatim in a DCP dir
+DTYPE_ALIASES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+
+def parse_dtype(text: str | None) -> torch.dtype | None:
+    if not text:
+        return None
+    if text.lower() not in DTYPE_ALIASES:
+        raise CheckpointError(f"--dtype {text!r} is not one of fp32, bf16, fp16")
+    return DTYPE_ALIASES[text.lower()]
+
+
+# ---- memory ----------------------------------------------------------------------------------
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+class PeakMemory:
+    """Growth of the resident set's peak over a block of work, in bytes."""
+
+    def __enter__(self) -> PeakMemory:
+        self.method = "VmHWM"
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+        except OSError:
+            self.method = "sampled RSS"
+        self.base = self._rss()
+        self._peak = self.base
+        self._stop = threading.Event()
+        self._thread = None
+        if self.method != "VmHWM":
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        self.growth = 0
+        return self
+
+    def _rss(self) -> int:
+        kib = _status_kib("VmRSS")
+        if kib is not None:
+            return kib * 1024
+        import psutil
+
+        return psutil.Process().memory_info().rss
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            self._peak = max(self._peak, self._rss())
+
+    def __exit__(self, *exc) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            peak = self._peak
+        else:
+            peak = (_status_kib("VmHWM") or 0) * 1024
+        self.growth = max(0, peak - self.base)
+
+
+# ---- shared helpers --------------------------------------------------------------------------
+
+
+@dataclass
+class Summary:
+    tensors: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    peak_memory_growth: int = 0
+    memory_method: str = ""
+    largest_tensor: int = 0
+    files: int = 0
+
+    def lines(self, title: str) -> str:
+        mib = 2**20
+        return "\n".join(
+            [
+                title,
+                f"  tensors          {self.tensors}",
+                f"  bytes            {self.bytes:,} ({self.bytes / mib:.1f} MiB)",
+                f"  files written    {self.files}",
+                f"  time             {self.seconds:.2f} s",
+                f"  peak memory      +{self.peak_memory_growth / mib:.1f} MiB ({self.memory_method}"
+                f" growth; largest tensor {self.largest_tensor / mib:.1f} MiB, model "
+                f"{self.bytes / mib:.1f} MiB)",
+            ]
+        )
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024)
+
+
+def _prepare_dst(dst: str) -> str:
+    """Refuse a non-empty destination; return a sibling temp dir renamed into place at the end,
+    so an interrupted conversion never leaves a half-written DST."""
+    if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
+        raise CheckpointError(f"destination {dst} exists and is not empty; choose a new directory")
+    parent = os.path.dirname(os.path.abspath(dst))
+    if not os.path.isdir(parent):
+        raise CheckpointError(f"destination's parent directory {parent} does not exist")
+    tmp = os.path.abspath(dst).rstrip(os.sep) + ".partial"
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    return tmp
+
+
+def _finish_dst(tmp: str, dst: str) -> None:
+    if os.path.isdir(dst):
+        os.rmdir(dst)  # empty (checked by _prepare_dst)
+    os.replace(tmp, dst)
+
+
+@contextlib.contextmanager
+def _cleanup_on_error(tmp: str):
+    try:
+        yield
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _copy_aux(src: str, dst: str) -> list[str]:
+    copied = []
+    for name in AUX_FILES:
+        path = os.path.join(src, name)
+        if os.path.isfile(path):
+            shutil.copyfile(path, os.path.join(dst, name))
+            copied.append(name)
+    return copied
+
+
+# ---- HF -> DCP -------------------------------------------------------------------------------
+
+
+def convert_hf_to_dcp(
+    src: str, dst: str, dtype: torch.dtype | None = None, progress: bool = True
+) -> Summary:
+    """Write SRC's weights as DCP {"model": {...}} plus config.json (hybrid2d JobConfig with the
+    model derived from SRC), hf_config.json (SRC's config.json) and the tokenizer files."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    ckpt = HFCheckpoint(src)
+    with ckpt:
+        cfg = model_config_from_hf(ckpt.config, os.path.join(src, "config.json"))
+        shapes = {n: t.shape for n, t in ckpt.tensors.items()}
+        names = check_tensor_names(shapes, cfg, src)
+        # DCP name -> HF name it is read from. Training checkpoints of a tied model hold
+        # lm_head.weight too (get_model_state_dict keeps both names), so the converted
+        # checkpoint does as well, with the embedding's values; the export drops it again.
+        sources = dict(zip(names, names, strict=True))
+        if cfg.tie_embeddings and "lm_head.weight" not in sources:
+            sources["lm_head.weight"] = "model.embed_tokens.weight"
+        tmp = _prepare_dst(dst)
+
+        def target(info) -> torch.dtype:
+            return dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
+
+        sizes = [ckpt.tensors[s].numel * target(ckpt.tensors[s]).itemsize for s in sources.values()]
+        total = sum(sizes)
+        summary = Summary(tensors=len(sources), bytes=total, largest_tensor=max(sizes))
+        bar = _progress(total, "hf -> dcp", progress)
+        meta = {
+            name: torch.empty(ckpt.tensors[s].shape, dtype=target(ckpt.tensors[s]), device="meta")
+            for name, s in sources.items()
+        }
+
+        class StreamingPlanner(DefaultSavePlanner):
+            """Reads each tensor from the safetensors file when DCP is about to write it."""
+
+            def resolve_data(self, write_item):
+                name = sources[write_item.index.fqn.removeprefix("model.")]
+                t = ckpt.read(name).to(target(ckpt.tensors[name]))
+                if bar is not None:
+                    bar.update(t.numel() * t.element_size())
+                return t
+
+        start = time.perf_counter()
+        with _cleanup_on_error(tmp), PeakMemory() as mem:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*assuming the intent is to save")
+                dcp.save(
+                    {"model": meta},
+                    storage_writer=dcp.FileSystemWriter(
+                        tmp, single_file_per_rank=False, thread_count=1, sync_files=False
+                    ),
+                    planner=StreamingPlanner(),
+                    no_dist=True,
+                )
+            if bar is not None:
+                bar.close()
+            job = JobConfig(recipe="hf-import")
+            job.model = cfg
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump(job.to_dict(), f, indent=2)
+            shutil.copyfile(os.path.join(src, "config.json"), os.path.join(tmp, HF_CONFIG_COPY))
+            _copy_aux(src, tmp)
+    summary.files = len(os.listdir(tmp))
+    _finish_dst(tmp, dst)
+    summary.seconds = time.perf_counter() - start
+    summary.peak_memory_growth = mem.growth
+    summary.memory_method = mem.method
+    return summary
+
+
+# ---- DCP -> HF -------------------------------------------------------------------------------
+
+
+def _export_hf_config(src: str, found: dict) -> tuple[ModelConfig, dict | None]:
+    """(model config, source HF config.json or None) for a DCP directory."""
+    hf_path = os.path.join(src, HF_CONFIG_COPY)
+    saved = read_saved_model_config(src)
+    hf = None
+    if os.path.isfile(hf_path):
+        with open(hf_path) as f:
+            hf = json.load(f)
+        cfg = model_config_from_hf(hf, hf_path)
+        if saved is not None:
+            from hybrid2d.checkpoint.hf import config_mismatch
+
+            bad = config_mismatch(cfg, saved)
+            if bad:
+                name, key, a, b = bad
+                raise CheckpointError(
+                    f"{src}: {HF_CONFIG_COPY} {key}={a} disagrees with config.json model.{name}={b}"
+                )
+    elif saved is not None:
+        cfg = saved
+    else:
+        raise CheckpointError(
+            f"{src} has no config.json with a model section (nor {HF_CONFIG_COPY}); cannot "
+            "write a Hugging Face config"
+        )
+    return cfg, hf
+
+
+def convert_dcp_to_hf(
+    src: str,
+    dst: str,
+    max_shard_bytes: int = 5 * 10**9,
+    dtype: torch.dtype | None = None,
+    progress: bool = True,
+) -> Summary:
+    """Write SRC's "model" entry as size-capped safetensors shards, an index, config.json and
+    the tokenizer files found in SRC."""
+    import torch.distributed.checkpoint as dcp
+
+    found = read_dcp_model_metadata(src, src)
+    cfg, hf = _export_hf_config(src, found)
+    names = check_tensor_names({n: s for n, (s, _) in found.items()}, cfg, src, "config.json")
+    if cfg.tie_embeddings:
+        names = [n for n in names if n != "lm_head.weight"]  # HF omits the tied head
+
+    def target(name: str) -> torch.dtype:
+        d = found[name][1]
+        return dtype if dtype is not None and d.is_floating_point else d
+
+    specs = [TensorSpec(n, target(n), tuple(found[n][0])) for n in names]
+    shards = plan_shards(specs, max_shard_bytes)
+    tmp = _prepare_dst(dst)
+    total = sum(s.nbytes for s in specs)
+    summary = Summary(tensors=len(specs), bytes=total)
+    summary.largest_tensor = max(s.nbytes for s in specs)
+    bar = _progress(total, "dcp -> hf", progress)
+    reader = dcp.FileSystemReader(src)
+
+    def produce(spec: TensorSpec) -> torch.Tensor:
+        shape, stored = found[spec.name]
+        out = torch.empty(shape, dtype=stored)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load")
+            dcp.load({"model": {spec.name: out}}, storage_reader=reader, no_dist=True)
+        out = out.to(spec.dtype)
+        if bar is not None:
+            bar.update(spec.nbytes)
+        return out
+
+    start = time.perf_counter()
+    weight_map = {}
+    with _cleanup_on_error(tmp):
+        with PeakMemory() as mem:
+            for k, shard in enumerate(shards):
+                fname = (
+                    SINGLE_NAME
+                    if len(shards) == 1
+                    else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+                )
+                write_safetensors(os.path.join(tmp, fname), shard, produce, {"format": "pt"})
+                weight_map.update(dict.fromkeys((s.name for s in shard), fname))
+        if bar is not None:
+            bar.close()
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            with open(os.path.join(tmp, INDEX_NAME), "w") as f:
+                json.dump(index, f, indent=2)
+        out_dtype = specs[0].dtype if specs else torch.float32
+        config = dict(hf) if hf is not None else hf_config_from_model(cfg, out_dtype)
+        if hf is not None and dtype is not None:
+            for key in ("torch_dtype", "dtype"):
+                if key in config:
+                    config[key] = str(dtype).removeprefix("torch.")
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        _copy_aux(src, tmp)
+    summary.files = len(shards)
+    _finish_dst(tmp, dst)
+    summary.seconds = time.perf_counter() - start
+    summary.peak_memory_growth = mem.growth
+    summary.memory_method = mem.method
+    return summary

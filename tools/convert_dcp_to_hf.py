@@ -1,0 +1,54 @@
+"""Export the model of a DCP checkpoint as a Hugging Face directory, streaming.
+
+python tools/convert_dcp_to_hf.py SRC DST [--max-shard-size 5GB] [--dtype bf16]
+
+SRC is a directory from tools/convert_hf_to_dcp.py or a training checkpoint's step directory
+(only its "model" entry is read). DST gets size-capped model-*.safetensors shards with
+model.safetensors.index.json (or one model.safetensors), a config.json that
+transformers.AutoModelForCausalLM.from_pretrained loads, and SRC's tokenizer files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("src", help="DCP checkpoint directory")
+    parser.add_argument("dst", help="new directory for the Hugging Face checkpoint")
+    parser.add_argument(
+        "--max-shard-size", default="5GB", help="cap per safetensors file (5GB, 500MB, bytes)"
+    )
+    parser.add_argument("--dtype", default=None, help="cast floating tensors: fp32, bf16, fp16")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+
+    from hybrid2d.checkpoint.hf_convert import convert_dcp_to_hf, parse_dtype
+    from hybrid2d.checkpoint.hf_safetensors import parse_size
+    from hybrid2d.config import ConfigError
+
+    try:
+        summary = convert_dcp_to_hf(
+            args.src,
+            args.dst,
+            parse_size(args.max_shard_size),
+            parse_dtype(args.dtype),
+            progress=not args.no_progress,
+        )
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(summary.lines(f"exported {args.src} -> {args.dst} (Hugging Face safetensors)"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""Convert a Hugging Face Llama directory (safetensors) into a DCP checkpoint, streaming.
+
+python tools/convert_hf_to_dcp.py SRC DST [--dtype bf16]
+
+DST gets the DCP files ({"model": {<HF names>: tensors}}), config.json (a hybrid2d JobConfig
+whose model section comes from SRC/config.json), hf_config.json (SRC/config.json verbatim) and
+SRC's tokenizer files. Train from it with `--checkpoint.init_from dcp:DST`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("src", help="Hugging Face model directory")
+    parser.add_argument("dst", help="new directory for the DCP checkpoint")
+    parser.add_argument("--dtype", default=None, help="cast floating tensors: fp32, bf16, fp16")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+
+    from hybrid2d.checkpoint.hf_convert import convert_hf_to_dcp, parse_dtype
+    from hybrid2d.config import ConfigError
+
+    try:
+        summary = convert_hf_to_dcp(
+            args.src, args.dst, parse_dtype(args.dtype), progress=not args.no_progress
+        )
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(summary.lines(f"converted {args.src} -> {args.dst} (DCP)"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
