@@ -3,6 +3,7 @@
 usage: parity.py OUT DP TP OPTIMIZER GRAD_CLIP [DP_REPLICATE]
 """
 
+import os
 import sys
 
 import torch
@@ -11,6 +12,19 @@ import torch.distributed as dist
 from hybrid2d.config import JobConfig
 from hybrid2d.mesh import build_mesh, init_distributed
 from tests.reference import global_batches, tiny_config
+
+
+def check_node_layout(mesh):
+    """Launched as several nodes: every tp group inside one node, data parallel across nodes."""
+    node = os.environ["GROUP_RANK"]
+
+    def nodes_of(sub):
+        seen = [None] * sub.size()
+        dist.all_gather_object(seen, node, group=sub.get_group())
+        return set(seen)
+
+    assert len(nodes_of(mesh.tp_mesh)) == 1, "a tp group spans nodes"
+    assert len(nodes_of(mesh.dp_mesh)) > 1, "data parallelism does not span the nodes"
 
 
 def main():
@@ -26,6 +40,8 @@ def main():
     from hybrid2d.trainer import Trainer
 
     mesh = build_mesh("cpu", dp_rep, int(dp) // dp_rep, int(tp))
+    if os.environ.get("CHECK_NODES"):
+        check_node_layout(mesh)
     trainer = Trainer(cfg, mesh)
     losses, norms = [], []
     per_rank = cfg.train.global_batch // mesh.dp
