@@ -512,5 +512,5 @@ def describe_load(report: LoadReport) -> str:
             f" MiB ({share:.0%})"
         )
     else:
-        read = f"{report.checkpoint_bytes / mib:.1f} MiB"
+        read = f"{report.checkpoint_bytes / mib:.1f} MiB of parameters"
     return f"init_from {report.source}: {report.tensors} tensors, {read} in {report.seconds:.1f} s"
