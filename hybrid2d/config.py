@@ -68,6 +68,13 @@ class ParallelConfig:
     mixed_precision: str = "auto"
     activation_checkpoint: str = "none"  # none | full
     compile: bool = False
+    # q/k/v and gate/up as one local matmul each (same parameters, same HF names).
+    fused_projections: bool = True
+    # Sequence-parallel norms on plain local tensors instead of DTensors (fewer dispatches).
+    local_norms: bool = True
+    # Gradient accumulation: reduce-scatter once per step instead of once per micro batch, at
+    # the cost of holding unsharded gradients between micro batches.
+    defer_grad_sync: bool = False
     # Collective timeout; a dead peer surfaces as an error after this long instead of a hang.
     timeout_s: int = 600
 
@@ -86,6 +93,8 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0  # 0 disables clipping (the norm is still measured)
     optimizer: str = "adamw"  # adamw | sgd
+    # A non-finite loss or grad norm: "stop" the run before the update, or "skip" the update.
+    on_nonfinite: str = "stop"
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
 
@@ -118,7 +127,9 @@ class CheckpointConfig:
     save_final: bool = False
     keep_last: int = 3
     async_save: bool = False
-    resume: str = ""  # "" (none) | auto | path of a step directory
+    resume: str = ""  # "" (none) | auto | path of a step directory (or of a run directory)
+    # Save a checkpoint after this step and stop (a job's time slot ends); 0: run to train.steps.
+    stop_after: int = 0
     init_from: str = ""  # "" | hf:PATH | dcp:PATH
 
 
@@ -226,6 +237,8 @@ class JobConfig:
             raise ConfigError(f"train.steps={t.steps} must be >= 1")
         if t.optimizer not in ("adamw", "sgd"):
             raise ConfigError(f"train.optimizer={t.optimizer!r} is not one of 'adamw', 'sgd'")
+        if t.on_nonfinite not in ("stop", "skip"):
+            raise ConfigError(f"train.on_nonfinite={t.on_nonfinite!r} is not one of stop, skip")
         if t.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"train.device={t.device!r} is not one of 'auto', 'cpu', 'cuda'")
         if p.mixed_precision not in ("auto", "bf16", "fp32"):
@@ -243,6 +256,10 @@ class JobConfig:
             raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be >= 0")
         if self.checkpoint.keep_last < 1:
             raise ConfigError(f"checkpoint.keep_last={self.checkpoint.keep_last} must be >= 1")
+        for name in ("every", "stop_after"):
+            if getattr(self.checkpoint, name) < 0:
+                value = getattr(self.checkpoint, name)
+                raise ConfigError(f"checkpoint.{name}={value} must be >= 0 (0: off)")
         return dp_rep, dp_shard, tp
 
 

@@ -30,6 +30,7 @@ from hybrid2d.metrics import MetricsWriter, flops_per_token, peak_memory_bytes
 from hybrid2d.models.llama import Llama
 from hybrid2d.optim import build_optimizer, build_scheduler, clip_grad_norm
 from hybrid2d.parallel import parallelize
+from hybrid2d.run_dir import create_run_dir, release_locks
 
 
 def build_model(cfg: JobConfig, mesh: Mesh) -> Llama:
@@ -65,6 +66,11 @@ class StepResult:
     grad_norm: float
     lr: float
     seconds: float
+    skipped: bool = False
+
+
+class NonFiniteError(FloatingPointError):
+    """The loss or the gradient norm became NaN or inf (the message names the step)."""
 
 
 class Trainer:
@@ -77,6 +83,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.step = 0
+        self.skipped_steps: list[int] = []  # steps whose update was skipped (non-finite)
 
     def _loss_context(self):
         return loss_parallel() if self.mesh.tp > 1 else contextlib.nullcontext()
@@ -98,18 +105,34 @@ class Trainer:
         device = self.mesh.device
         n = len(micro_batches)
         loss_sum = torch.zeros((), device=device)
-        for inputs, labels in micro_batches:
+        defer = self.cfg.parallel.defer_grad_sync and n > 1
+        for i, (inputs, labels) in enumerate(micro_batches):
+            if defer:
+                last = i == n - 1
+                self.model.set_requires_gradient_sync(last)
+                self.model.set_requires_all_reduce(last)  # HSDP's all-reduce across replicas
             loss_sum += self.forward_backward(inputs.to(device), labels.to(device), 1.0 / n)
-        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip)
+        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip).item()
+        # Every rank sees the same dp-mean loss and global norm, so all take the same branch.
+        loss = self.dp_mean(loss_sum / n)
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
+        self.step += 1
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if not finite and self.cfg.train.on_nonfinite == "stop":
+            raise NonFiniteError(
+                f"step {self.step}: loss {loss}, grad norm {grad_norm} is not finite; stopped "
+                "before the update (no checkpoint holds this state); train.on_nonfinite=skip "
+                "skips such steps instead"
+            )
+        if finite:
+            self.optimizer.step()
+        else:
+            self.skipped_steps.append(self.step)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        loss = self.dp_mean(loss_sum / n)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        return StepResult(self.step, loss, grad_norm.item(), lr, time.perf_counter() - start)
+        return StepResult(self.step, loss, grad_norm, lr, time.perf_counter() - start, not finite)
 
     def dp_mean(self, value: torch.Tensor) -> float:
         """Average over data-parallel ranks (tp ranks of a dp group already agree)."""
@@ -124,17 +147,20 @@ class Trainer:
 
 
 def _prepare_run_dir(cfg: JobConfig) -> str:
-    """Rank 0 names and creates the run directory; every rank learns the same name."""
-    name = [None]
+    """Rank 0 creates and locks the run directory; every rank learns its name, or the error.
+
+    The error travels with the broadcast so no rank waits for a rank 0 that gave up.
+    """
+    message = [None, None]
     if dist.get_rank() == 0:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        path = cfg.metrics.run_dir.format(recipe=cfg.recipe, time=stamp)
-        os.makedirs(path, exist_ok=True)
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(cfg.to_dict(), f, indent=2)
-        name[0] = path
-    dist.broadcast_object_list(name, src=0)
-    return name[0]
+        try:
+            message[0] = create_run_dir(cfg)
+        except ConfigError as e:
+            message[1] = str(e)
+    dist.broadcast_object_list(message, src=0)
+    if message[1]:
+        raise ConfigError(message[1])
+    return message[0]
 
 
 def _progress(total: int, enabled: bool):
@@ -148,6 +174,10 @@ def _progress(total: int, enabled: bool):
 def run(cfg: JobConfig, set_on_cli: frozenset[str] | set[str] = frozenset()) -> dict:
     """Validate, start the process group, train, summarise, shut down. Returns the summary."""
     apply_launcher_settings(cfg, set(set_on_cli))
+    if cfg.checkpoint.init_from:  # the model shape comes from the checkpoint (checked early)
+        from hybrid2d.checkpoint.hf import adopt_source_model
+
+        adopt_source_model(cfg, set(set_on_cli))
     _, world, _, _ = world_from_env()
     dp_rep, dp_shard, tp = cfg.validate(world)
     device_type = pick_device(cfg.train.device)
@@ -157,6 +187,7 @@ def run(cfg: JobConfig, set_on_cli: frozenset[str] | set[str] = frozenset()) -> 
     try:
         return _train(cfg, build_mesh(device_type, dp_rep, dp_shard, tp))
     finally:
+        release_locks()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -183,10 +214,8 @@ def _train(cfg: JobConfig, mesh: Mesh) -> dict:
     try:
         while trainer.step < cfg.train.steps:
             result = trainer.train_step(loader.next_batch())
-            if not math.isfinite(result.loss) or not math.isfinite(result.grad_norm):
-                raise FloatingPointError(
-                    f"step {result.step}: loss {result.loss}, grad norm {result.grad_norm}"
-                )
+            if result.skipped:
+                print0(f"step {result.step}: non-finite loss/grad norm, update skipped")
             losses.append(result.loss)
             times.append(result.seconds)
             tps = tokens_per_step / result.seconds

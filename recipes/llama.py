@@ -52,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    except FloatingPointError as e:  # trainer.NonFiniteError: the message names the step
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 3
     return 0
 
 

@@ -127,65 +127,80 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def kinds_to_run(args) -> dict[str, tuple[str, list[str]]]:
+    """label -> (worker kind, extra worker args); levers are hybrid2d runs with one setting."""
+    base = [a for s in args.set for a in ("--set", s)]
+    kinds = {"hybrid2d": ("hybrid2d", base)}
+    if not args.levers_only:
+        kinds["transformers"] = ("transformers", [])
+        kinds["single"] = ("single", [])
+    for lever in args.lever:
+        kinds[f"hybrid2d + {lever}"] = ("hybrid2d", base + ["--set", lever])
+    return kinds
+
+
 def measure(dp: int, tp: int, args, model_dir: str) -> dict:
-    kinds = ["hybrid2d", "transformers", "single"]
-    runs = {k: [] for k in kinds}
-    extra = {
-        "hybrid2d": [a for s in args.set for a in ("--set", s)],
-        "transformers": [],
-        "single": [],
-    }
-    for _ in range(args.repeats):
-        for kind in kinds:
-            runs[kind].append(launch(kind, dp, tp, args, model_dir, extra[kind]))
+    kinds = kinds_to_run(args)
+    runs = {label: [] for label in kinds}
+    for _ in range(args.repeats):  # alternate, so drift hits every kind alike
+        for label, (kind, extra) in kinds.items():
+            runs[label].append(launch(kind, dp, tp, args, model_dir, extra))
     if args.comm:
-        runs["comm"] = launch("hybrid2d", dp, tp, args, model_dir, extra["hybrid2d"] + ["--comm"])
+        base = kinds["hybrid2d"][1]
+        runs["comm"] = launch("hybrid2d", dp, tp, args, model_dir, base + ["--comm"])
     return runs
 
 
 def summarize(runs: dict, args, model: ModelConfig) -> dict:
     tokens = args.global_batch * args.seq_len
-    row = {}
-    for kind in ("hybrid2d", "transformers", "single"):
-        steady = [t for r in runs[kind] for t in r["times"][args.warmup :]]
+    row = {"kinds": {}}
+    for label, kind_runs in runs.items():
+        if label == "comm":
+            continue
+        steady = [t for r in kind_runs for t in r["times"][args.warmup :]]
         step = statistics.median(steady)
-        row[kind] = {
+        row["kinds"][label] = {
             "step_s": step,
             "tokens_per_s": tokens / step,
-            "first_loss": runs[kind][0]["losses"][0],
-            "peak_rss_mib": max(max(r["peak_rss"]) for r in runs[kind]) / 2**20,
+            "first_loss": kind_runs[0]["losses"][0],
+            "peak_rss_mib": max(max(r["peak_rss"]) for r in kind_runs) / 2**20,
         }
-    single = row["single"]["step_s"]
-    row["efficiency_hybrid2d"] = single / row["hybrid2d"]["step_s"]
-    row["efficiency_transformers"] = single / row["transformers"]["step_s"]
-    row["speedup_vs_transformers"] = row["transformers"]["step_s"] / row["hybrid2d"]["step_s"]
+    k = row["kinds"]
+    if "single" in k:
+        for label in k:
+            k[label]["efficiency"] = k["single"]["step_s"] / k[label]["step_s"]
+    if "transformers" in k:
+        row["speedup_vs_transformers"] = k["transformers"]["step_s"] / k["hybrid2d"]["step_s"]
+    for label in k:
+        k[label]["vs_hybrid2d_default"] = k["hybrid2d"]["step_s"] / k[label]["step_s"]
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
-        peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+        peak = next((v for n, v in PEAK_FLOPS.items() if n in name), None)
         if peak:
             fpt = flops_per_token(model, args.seq_len)
-            row["mfu_hybrid2d"] = fpt * row["hybrid2d"]["tokens_per_s"] / (peak * args.world)
+            row["mfu_hybrid2d"] = fpt * k["hybrid2d"]["tokens_per_s"] / (peak * args.world)
     return row
 
 
 def format_table(results: dict) -> str:
     lines = [
-        "| mesh | kind | step (s) | tokens/s | parallel eff. | peak RSS/rank (MiB) | first loss |",
-        "|---|---|---|---|---|---|---|",
+        "| mesh | kind | step (s) | tokens/s | parallel eff. | speed vs hybrid2d default "
+        "| peak RSS/rank (MiB) | first loss |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for mesh, row in results.items():
-        for kind in ("hybrid2d", "transformers", "single"):
-            r = row[kind]
-            eff = row.get(f"efficiency_{kind}")
+        for label, r in row["kinds"].items():
+            eff = f"{r['efficiency']:.0%}" if "efficiency" in r and label != "single" else ""
             lines.append(
-                f"| {mesh} | {kind} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
-                f"{'' if eff is None else f'{eff:.0%}'} | {r['peak_rss_mib']:.0f} | "
+                f"| {mesh} | {label} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {eff} | "
+                f"{r['vs_hybrid2d_default']:.2f}x | {r['peak_rss_mib']:.0f} | "
                 f"{r['first_loss']:.5f} |"
             )
-        lines.append(
-            f"| {mesh} | **hybrid2d / transformers tokens/s** | "
-            f"**{row['speedup_vs_transformers']:.2f}x** | | | | |"
-        )
+        if "speedup_vs_transformers" in row:
+            lines.append(
+                f"| {mesh} | **hybrid2d / transformers tokens/s** | "
+                f"**{row['speedup_vs_transformers']:.2f}x** | | | | | |"
+            )
     return "\n".join(lines)
 
 
@@ -210,6 +225,17 @@ def main(argv=None) -> int:
         default=[],
         help="a hybrid2d setting for its runs, e.g. parallel.reshard_after_forward=false",
     )
+    p.add_argument(
+        "--lever",
+        action="append",
+        default=[],
+        help="also run hybrid2d with this one setting (repeatable), alternating",
+    )
+    p.add_argument(
+        "--levers-only",
+        action="store_true",
+        help="skip transformers and the single process (compare levers only)",
+    )
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
     meshes = args.mesh or ["2x2", "1x2"]
@@ -224,7 +250,11 @@ def main(argv=None) -> int:
             runs = measure(dp, tp, args, model_dir)
             results[mesh] = summarize(runs, args, model)
             if args.comm:
+                from hybrid2d.comm_report import analytic_step
+
+                local = args.global_batch // dp
                 results[mesh]["comm"] = runs["comm"]["comm"]
+                results[mesh]["comm_analytic"] = analytic_step(model, dp, tp, local, args.seq_len)
     print(
         f"# hybrid2d bench {time.strftime('%Y-%m-%d')} on {platform.node()} "
         f"({os.cpu_count()} cores, torch {torch.__version__}); {time.time() - started:.0f} s"
@@ -240,7 +270,8 @@ def main(argv=None) -> int:
         from hybrid2d.comm_report import format_comm
 
         for mesh, row in results.items():
-            print(f"\ncommunication per step, {mesh}:\n{format_comm(row['comm'])}")
+            table = format_comm(row["comm"], row["comm_analytic"])
+            print(f"\ncommunication per rank per step, {mesh}:\n{table}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -514,3 +514,33 @@ def describe_load(report: LoadReport) -> str:
     else:
         read = f"{report.checkpoint_bytes / mib:.1f} MiB of parameters"
     return f"init_from {report.source}: {report.tensors} tensors, {read} in {report.seconds:.1f} s"
+
+
+def adopt_source_model(cfg: JobConfig, set_on_cli: set[str]) -> None:
+    """With checkpoint.init_from, take the model shape from the checkpoint itself.
+
+    No --model.* on the command line: cfg.model becomes the checkpoint's (a user starting from
+    a published model need not restate its shape). Some given: they must agree with it, which
+    is checked here, on every rank, before any process group or data work. A HF directory's
+    tokenizer becomes the data tokenizer unless data.tokenizer is set.
+    """
+    kind, path = parse_init_from(cfg.checkpoint.init_from)
+    source = cfg.checkpoint.init_from
+    if kind == "hf":
+        ckpt = HFCheckpoint(path)
+        try:
+            found = model_config_from_hf(ckpt.config, os.path.join(path, "config.json"))
+        finally:
+            ckpt.close()
+        if not cfg.data.tokenizer and os.path.isfile(os.path.join(path, "tokenizer.json")):
+            cfg.data.tokenizer = path
+    else:
+        found = read_saved_model_config(path)
+        if found is None:
+            read_dcp_model_metadata(path, f"checkpoint.init_from={source}")  # not DCP: says so
+            return  # no saved shape: the tensor-by-tensor check at load time still applies
+    if any(name.startswith("model.") for name in set_on_cli):
+        check_model_config(found, cfg.model, source, "its config")
+    else:
+        found.init_std = cfg.model.init_std
+        cfg.model = found

@@ -16,6 +16,7 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial
 from torch.utils.checkpoint import checkpoint
 
 from hybrid2d.config import ModelConfig
@@ -56,10 +57,36 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        weight = self.weight
+        if isinstance(weight, DTensor) and not isinstance(x, DTensor):
+            # Sequence parallel on plain tensors (parallel.local_norms): this rank normalises its
+            # slice of the sequence, so its weight gradient is a partial sum over tp ranks.
+            weight = weight.to_local(grad_placements=[Partial()] * weight.device_mesh.ndim)
+        return weight * x32.to(dtype)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A parameter's local shard (a plain tensor stays as it is)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def fused_linear(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
+    """x @ [W1; W2; ...]^T as one matmul over the local shards, split back per projection.
+
+    Under column-parallel TP each weight is Shard(0): its local rows are this rank's heads (or
+    ffn slice), so concatenating local shards is the fused local weight. A replicated DTensor
+    input becomes a plain tensor whose gradient is a partial sum over tp ranks (each rank only
+    back-propagates through its own heads), which is exactly what the reduce-scatter in
+    backward expects.
+    """
+    weights = [_local(lin.weight) for lin in linears]
+    if isinstance(x, DTensor):
+        x = x.to_local(grad_placements=[Partial()] * x.device_mesh.ndim)
+    out = F.linear(x, torch.cat(weights))
+    return out.split([w.shape[0] for w in weights], dim=-1)
 
 
 class Attention(nn.Module):
@@ -67,6 +94,8 @@ class Attention(nn.Module):
         super().__init__()
         hd = cfg.head_dim
         self.head_dim = hd
+        # One matmul for q, k and v instead of three (parallel.fused_projections).
+        self.fused = False
         self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=False)
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
@@ -75,9 +104,13 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
         # -1 heads: under tensor parallelism these are this rank's heads only.
-        q = self.q_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        if self.fused:
+            q, k, v = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj))
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        k = k.view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        v = v.view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         out = F.scaled_dot_product_attention(
@@ -92,9 +125,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.fused = False  # gate and up as one matmul (parallel.fused_projections)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.fused:
+            gate, up = fused_linear(x, (self.gate_proj, self.up_proj))
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

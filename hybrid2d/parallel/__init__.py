@@ -16,7 +16,9 @@ from hybrid2d.parallel.tensor_parallel import apply_tp
 
 
 def parallelize(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig) -> nn.Module:
-    apply_tp(model, mesh.tp_mesh)
+    apply_tp(model, mesh.tp_mesh, pcfg.local_norms)
+    for block in model.model.layers:
+        block.self_attn.fused = block.mlp.fused = pcfg.fused_projections
     apply_ac(model, pcfg.activation_checkpoint)
     if pcfg.compile:
         for block in model.model.layers:

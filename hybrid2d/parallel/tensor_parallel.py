@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -23,19 +23,36 @@ from torch.distributed.tensor.parallel import (
 )
 
 
-def llama_root_plan() -> dict[str, ParallelStyle]:
+class LocalSequenceParallel(ParallelStyle):
+    """Sequence parallelism without DTensor compute: the weights become Replicate DTensors (so
+    FSDP and checkpoints see them as such) and the norm runs on the plain local sequence slice;
+    RMSNorm marks its weight gradient as a partial sum over tp. Saves the DTensor dispatch of
+    every elementwise op of every norm, forward and backward."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            replicated = DTensor.from_local(param, device_mesh, [Replicate()], run_check=False)
+            module.register_parameter(name, nn.Parameter(replicated, param.requires_grad))
+        return module
+
+
+def _norm_style(local_norms: bool) -> ParallelStyle:
+    return LocalSequenceParallel() if local_norms else SequenceParallel()
+
+
+def llama_root_plan(local_norms: bool = False) -> dict[str, ParallelStyle]:
     return {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "model.norm": SequenceParallel(),
+        "model.norm": _norm_style(local_norms),
         "lm_head": ColwiseParallel(
             input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
         ),
     }
 
 
-def llama_block_plan() -> dict[str, ParallelStyle]:
+def llama_block_plan(local_norms: bool = False) -> dict[str, ParallelStyle]:
     return {
-        "input_layernorm": SequenceParallel(),
+        "input_layernorm": _norm_style(local_norms),
         # (hidden, cos, sin): gather the sequence of the hidden states; RoPE tables are local.
         "self_attn": PrepareModuleInput(
             input_layouts=(Shard(1), None, None),
@@ -45,7 +62,7 @@ def llama_block_plan() -> dict[str, ParallelStyle]:
         "self_attn.k_proj": ColwiseParallel(),
         "self_attn.v_proj": ColwiseParallel(),
         "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-        "post_attention_layernorm": SequenceParallel(),
+        "post_attention_layernorm": _norm_style(local_norms),
         "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         "mlp.gate_proj": ColwiseParallel(),
         "mlp.up_proj": ColwiseParallel(),
@@ -53,13 +70,13 @@ def llama_block_plan() -> dict[str, ParallelStyle]:
     }
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, local_norms: bool = False) -> None:
     """Shard a `Llama` over the 1-D tp mesh in place (no-op for tp == 1)."""
     if tp_mesh.size() == 1:
         return
-    parallelize_module(model, tp_mesh, llama_root_plan())
+    parallelize_module(model, tp_mesh, llama_root_plan(local_norms))
     for block in model.model.layers:
-        parallelize_module(block, tp_mesh, llama_block_plan())
+        parallelize_module(block, tp_mesh, llama_block_plan(local_norms))
     # Tied embeddings: both styles shard the [vocab, dim] weight on dim 0, so one DTensor
     # parameter serves both after re-tying.
     model.tie_weights()

@@ -1,6 +1,6 @@
 """Worker: train a tiny model on a (dp, tp) mesh on fixed global batches; rank 0 saves results.
 
-usage: parity.py OUT DP TP OPTIMIZER GRAD_CLIP [DP_REPLICATE]
+usage: parity.py OUT DP TP OPTIMIZER GRAD_CLIP [DP_REPLICATE [--section.key value ...]]
 """
 
 import os
@@ -9,7 +9,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from hybrid2d.config import JobConfig
+from hybrid2d.config import JobConfig, apply_overrides
 from hybrid2d.mesh import build_mesh, init_distributed
 from tests.reference import global_batches, tiny_config
 
@@ -31,6 +31,7 @@ def main():
     out, dp, tp, optimizer, clip = sys.argv[1:6]
     dp_rep = int(sys.argv[6]) if len(sys.argv) > 6 else 1
     cfg: JobConfig = tiny_config(optimizer=optimizer, grad_clip=float(clip))
+    apply_overrides(cfg, sys.argv[7:])  # e.g. --train.micro_batch 1
     cfg.parallel.tp = int(tp)
     cfg.parallel.dp_replicate = dp_rep
     cfg.parallel.dp_shard = int(dp) // dp_rep
