@@ -193,6 +193,7 @@ def run(cfg: JobConfig, set_on_cli: frozenset[str] | set[str] = frozenset()) -> 
 
 
 def _train(cfg: JobConfig, mesh: Mesh) -> dict:
+    from hybrid2d.checkpoint.dcp import Checkpointer, find_resume
     from hybrid2d.data import build_data
 
     torch.manual_seed(cfg.train.seed)
@@ -203,8 +204,13 @@ def _train(cfg: JobConfig, mesh: Mesh) -> dict:
         f"dp_replicate={mesh.dp_replicate} x dp_shard={mesh.dp_shard} x tp={mesh.tp} on "
         f"{mesh.device.type} ({dist.get_backend()}), run dir {run_dir}"
     )
-    loader, _ = build_data(cfg, mesh.dp_rank, mesh.dp, main, dist.barrier)
+    # A bad --checkpoint.resume fails here, on every rank, before data and model are built.
+    resume_from = find_resume(cfg, run_dir)
+    loader, tokenizer = build_data(cfg, mesh.dp_rank, mesh.dp, main, dist.barrier)
     trainer = Trainer(cfg, mesh)
+    ckpt = Checkpointer(cfg, run_dir, trainer, loader, tokenizer)
+    if resume_from is not None:
+        ckpt.load(resume_from)
     writer = MetricsWriter(run_dir if main else None, cfg.metrics.tensorboard)
     bar = _progress(cfg.train.steps, cfg.metrics.progress_bar)
     tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
@@ -235,7 +241,11 @@ def _train(cfg: JobConfig, mesh: Mesh) -> dict:
             if bar is not None:
                 bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{tps:,.0f}")
                 bar.update(1)
+            ckpt.maybe_save(trainer.step)
+            if trainer.step == cfg.checkpoint.stop_after:
+                break
     finally:
+        ckpt.close()  # waits for an async save still being written
         if bar is not None:
             bar.close()
         writer.close()
@@ -255,6 +265,8 @@ def _train(cfg: JobConfig, mesh: Mesh) -> dict:
         "time_s": wall,
         "peak_memory_bytes_per_rank": peaks,
         "run_dir": run_dir,
+        "resumed_from": None if resume_from is None else str(resume_from),
+        "checkpoints": ckpt.saved,
     }
     if main:
         with open(os.path.join(run_dir, "summary.json"), "w") as f:

@@ -1,0 +1,366 @@
+"""Save and resume the whole training state as torch.distributed.checkpoint (DCP) directories.
+
+The state saved is one nested dict (the layout the HF converter shares):
+
+    {"model":     get_model_state_dict(model)       HF LlamaForCausalLM keys, sharded DTensors
+     "optimizer": get_optimizer_state_dict(...)     keyed by the same names, sharded like them
+     "trainer":   {"step", "scheduler", "data": {samples_consumed, seed}, "rng": {...}}}
+
+Every rank writes only its own shards; DCP records each shard's global offsets, so a checkpoint
+saved on one mesh loads on any other mesh and world size (DCP reshards on load). The data
+position is global, so the resumed run also sees the batches the straight run would have seen.
+
+Crash safety (see layout.py): a save writes `step-N.tmp`; once every rank finished, the ranks
+hash the files, rank 0 writes checksums.json, renames the directory to `step-N`, and replaces the
+`latest` pointer last. With async_save the state is copied to CPU memory at the save call, and
+the writing, hashing and publishing run in a background thread on a separate gloo process group
+while training goes on; the next save (or the end of the run) waits for it.
+
+Resuming checks everything it can on every rank before the first collective (path, metadata,
+key names and shapes, file sizes, checksums), then all ranks agree on the outcome, so a bad
+checkpoint is one ConfigError on every rank rather than a rank waiting for a dead peer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from hybrid2d.checkpoint import integrity, layout
+from hybrid2d.checkpoint.reader import (
+    MODEL,
+    OPTIMIZER,
+    TRAINER,
+    cause,
+    check_model_shapes,
+    expected_model_shapes,
+    first_line,
+    is_training_checkpoint,
+    read_config,
+    read_metadata,
+)
+from hybrid2d.config import ConfigError, JobConfig
+from hybrid2d.mesh import print0
+
+# Test hook: "STEP:RANK" makes that rank SIGKILL itself in the save of STEP, after the data was
+# written and before the checkpoint is published (the crash-safety test). Never set it otherwise.
+KILL_IN_SAVE_ENV = "HYBRID2D_TEST_KILL_IN_SAVE"
+
+
+# ---- agreement across ranks ------------------------------------------------------------------
+
+
+def agree(error: str | None, group=None) -> None:
+    """Raise ConfigError(first error of any rank) on every rank, or return on every rank.
+
+    Each rank runs its checks without raising, then this one collective makes all ranks fail
+    together, so none is left waiting at a later collective for a rank that gave up.
+    """
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        errors: list[str | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(errors, error, group=group)
+        error = next((e for e in errors if e), None)
+    if error:
+        raise ConfigError(error)
+
+
+def _checked(fn, *args):
+    """(result, None) or (None, the error's message). Any exception becomes the message, so no
+    rank leaves the checks early while the others go on to the agreeing collective."""
+    try:
+        return fn(*args), None
+    except ConfigError as e:
+        return None, str(e)
+    except Exception as e:
+        return None, f"checking the checkpoint failed: {first_line(e)}"
+
+
+# ---- which checkpoint to resume --------------------------------------------------------------
+
+
+def find_resume(cfg: JobConfig, run_dir: str | os.PathLike) -> Path | None:
+    """The step directory --checkpoint.resume asks for, checked against cfg.model and its
+    checksums; None to start fresh. Needs no model, and every rank runs it before data and model
+    are built, so a bad checkpoint costs seconds."""
+    setting = cfg.checkpoint.resume
+    if not setting:
+        return None
+
+    def locate() -> Path | None:
+        path = layout.latest_in_run(run_dir) if setting == "auto" else layout.resolve(setting)
+        if path is not None:
+            preflight(path, cfg)
+            rank, world = (
+                (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+            )
+            verify_files(path, rank, world)
+        return path
+
+    path, error = _checked(locate)
+    agree(error)
+    if path is None:
+        print0(f"checkpoint.resume=auto: no checkpoint in {run_dir}, starting from step 0")
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        seen: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, None if path is None else str(path.resolve()))
+        if len(set(seen)) > 1:
+            raise ConfigError(
+                f"--checkpoint.resume={setting!r}: ranks see different checkpoints ({seen[0]} on "
+                f"rank 0, {next(s for s in seen if s != seen[0])} elsewhere); checkpoints must be "
+                "on a filesystem every rank shares"
+            )
+    return path
+
+
+def preflight(path: Path, cfg: JobConfig) -> Metadata:
+    """Checks of a training checkpoint that need no model: readable metadata, trainer state
+    present, model tensors of the right names and shapes."""
+    meta = read_metadata(path)
+    if not is_training_checkpoint(meta):
+        raise ConfigError(
+            f"--checkpoint.resume: {path} holds no training state (a model-only checkpoint, e.g. "
+            "converted from Hugging Face); start from it with --checkpoint.init_from dcp:PATH"
+        )
+    check_model_shapes(path, meta, expected_model_shapes(cfg.model), cfg.model)
+    return meta
+
+
+# ---- the training state ----------------------------------------------------------------------
+
+
+def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    state = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    if "torch" in state:
+        torch.set_rng_state(state["torch"].cpu())
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+
+
+def _missing_or_mismatched(template: dict, meta: Metadata) -> str | None:
+    """The first key of the state to load that the checkpoint lacks or has in another shape."""
+    flat, _ = flatten_state_dict(template)
+    saved = meta.state_dict_metadata
+    for key, value in flat.items():
+        if key not in saved:
+            return f"it has no {key}"
+        if isinstance(value, torch.Tensor):
+            md = saved[key]
+            if not isinstance(md, TensorStorageMetadata):
+                return f"{key} is not a tensor there"
+            if tuple(md.size) != tuple(value.shape):
+                return f"{key} has shape {list(md.size)} there but {list(value.shape)} here"
+    return None
+
+
+# ---- the checkpointer ------------------------------------------------------------------------
+
+
+class Checkpointer:
+    """Saves the trainer's state on schedule and restores it on resume (see the module doc)."""
+
+    def __init__(self, cfg: JobConfig, run_dir: str | os.PathLike, trainer, loader, tokenizer=None):
+        self.cfg = cfg
+        self.ck = cfg.checkpoint
+        self.run_dir = Path(run_dir)
+        self.trainer = trainer
+        self.loader = loader
+        self.tokenizer_json = tokenizer.to_str() if tokenizer is not None else None
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.device = trainer.mesh.device
+        self.saved: list[dict] = []  # per save: step, blocking_s, total_s, bytes
+        self._pending: Future | None = None
+        self._last_saved_step: int | None = None
+        self._group = None
+        self._executor = None
+        if self.ck.async_save:
+            # Background writes must not share a communicator with training's collectives.
+            self._group = dist.new_group(
+                backend="gloo", timeout=timedelta(seconds=cfg.parallel.timeout_s)
+            )
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="hybrid2d-ckpt")
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        t = self.trainer
+        return {
+            MODEL: get_model_state_dict(t.model),
+            OPTIMIZER: get_optimizer_state_dict(t.model, t.optimizer),
+            TRAINER: {
+                "step": t.step,
+                "scheduler": t.scheduler.state_dict(),
+                "data": self.loader.state_dict(),
+                "rng": rng_state(self.device),
+            },
+        }
+
+    # -- saving --------------------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        ck, last = self.ck, self.cfg.train.steps
+        return (
+            (ck.every > 0 and step % ck.every == 0)
+            or (step == last and (ck.save_final or ck.every > 0))
+            or step == ck.stop_after
+        )
+
+    def maybe_save(self, step: int) -> None:
+        if self.due(step) and step != self._last_saved_step:
+            self.save(step)
+
+    def save(self, step: int) -> None:
+        """Write the state at `step`; returns once written (sync) or staged in memory (async)."""
+        self.wait()
+        start = time.perf_counter()
+        tmp = layout.tmp_dir(self.run_dir, step)
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a save of this step that never finished
+            tmp.mkdir(parents=True)
+            (tmp / layout.CONFIG).write_text(json.dumps(self.cfg.to_dict(), indent=2))
+            if self.tokenizer_json is not None:
+                (tmp / layout.TOKENIZER).write_text(self.tokenizer_json)
+        dist.barrier()
+        state = self.state_dict()
+        self._last_saved_step = step
+        if self._executor is None:
+            dcp.save(state, checkpoint_id=str(tmp))
+            self._publish(step, start, None)
+        else:
+            written = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group)
+            blocking = time.perf_counter() - start
+            self._pending = self._executor.submit(self._publish, step, start, written, blocking)
+
+    def _publish(self, step: int, start: float, written: Future | None, blocking=None) -> None:
+        """After this rank's DCP write: hash a share of the files, then rank 0 writes the
+        checksums, renames step-N.tmp to step-N, updates `latest` and applies retention."""
+        if written is not None:
+            written.result()
+        _maybe_kill_for_test(step, self.rank)
+        group = self._group
+        tmp = layout.tmp_dir(self.run_dir, step)
+        names = integrity.checkpoint_files(tmp)
+        mine = integrity.describe(tmp, integrity.share(names, self.rank, self.world))
+        everyone: list[dict | None] = [None] * self.world
+        dist.all_gather_object(everyone, mine, group=group)
+        if self.rank == 0:
+            entries = {k: v for part in everyone for k, v in (part or {}).items()}
+            integrity.write(tmp, entries)
+            final = layout.publish(self.run_dir, step)
+            layout.apply_retention(self.run_dir, self.ck.keep_last)
+            total = time.perf_counter() - start
+            size = sum(v["size"] for v in entries.values())
+            self.saved.append(
+                {
+                    "step": step,
+                    "blocking_s": total if blocking is None else blocking,
+                    "total_s": total,
+                    "bytes": size,
+                }
+            )
+            mode = "async" if written is not None else "sync"
+            print(f"checkpoint {final} ({size / 2**20:.1f} MiB, {mode}, {total:.2f} s)", flush=True)
+        dist.barrier(group=group)
+
+    def wait(self) -> None:
+        """Block until the in-flight async save (if any) is published; re-raise its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
+    # -- resuming ------------------------------------------------------------------------------
+
+    def load(self, path: Path) -> int:
+        """Restore model, optimizer, schedule, data position and RNG from `path`; returns the
+        step. Any problem is one ConfigError on every rank, raised before dcp.load."""
+        start = time.perf_counter()
+        t = self.trainer
+        state = self.state_dict()
+
+        def check() -> None:
+            meta = read_metadata(path)
+            rng = state[TRAINER]["rng"]
+            for name in list(rng):  # e.g. a CPU checkpoint resumed on CUDA has no cuda RNG
+                if f"{TRAINER}.rng.{name}" not in meta.state_dict_metadata:
+                    del rng[name]
+            problem = _missing_or_mismatched(state, meta)
+            if problem:
+                saved = read_config(path)
+                hint = ""
+                if saved is not None and saved.train.optimizer != self.cfg.train.optimizer:
+                    hint = (
+                        f"; it was saved with train.optimizer={saved.train.optimizer!r}, resume "
+                        f"with --train.optimizer {saved.train.optimizer}"
+                    )
+                raise ConfigError(f"checkpoint {path} does not fit this run: {problem}{hint}")
+
+        _, error = _checked(check)
+        agree(error)
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            raise ConfigError(
+                f"checkpoint {path} cannot be loaded ({cause(e)}); it is truncated or corrupted, "
+                "use an earlier one"
+            ) from None
+        set_model_state_dict(t.model, state[MODEL])
+        set_optimizer_state_dict(t.model, t.optimizer, state[OPTIMIZER])
+        saved = state[TRAINER]
+        t.scheduler.load_state_dict(saved["scheduler"])
+        self.loader.load_state_dict(saved["data"])
+        set_rng_state(saved["rng"], self.device)
+        t.step = int(saved["step"])
+        self._last_saved_step = t.step
+        if t.step >= self.cfg.train.steps:
+            raise ConfigError(
+                f"checkpoint {path} is at step {t.step}, train.steps={self.cfg.train.steps}: "
+                f"nothing left to train; raise --train.steps above {t.step}"
+            )
+        print0(f"resumed from {path} at step {t.step} ({time.perf_counter() - start:.2f} s)")
+        return t.step
+
+
+def verify_files(path: Path, rank: int, world: int) -> None:
+    """ConfigError if the checkpoint's files differ from its checksums.json (see integrity.py)."""
+    problem = integrity.verify(path, rank, world)
+    if problem:
+        raise ConfigError(f"checkpoint {path} is damaged: {problem}; resume from an earlier one")
+
+
+def _maybe_kill_for_test(step: int, rank: int) -> None:
+    spec = os.environ.get(KILL_IN_SAVE_ENV)
+    if spec and spec == f"{step}:{rank}":
+        os.kill(os.getpid(), signal.SIGKILL)
