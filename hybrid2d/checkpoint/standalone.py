@@ -1,0 +1,113 @@
+"""A checkpoint as a plain, unsharded model in one process (for generation and inspection).
+
+Takes a DCP training checkpoint (a step directory, or a run / checkpoints directory meaning its
+latest checkpoint) or an exported Hugging Face directory (config.json + safetensors). The model
+is built on the meta device and the loaded tensors are assigned to it, so the process holds one
+copy of the weights.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hybrid2d.checkpoint import integrity, layout
+from hybrid2d.checkpoint.reader import iter_model_tensors, read_config, read_metadata
+from hybrid2d.config import ConfigError, ModelConfig
+from hybrid2d.models.llama import Llama, rope_inv_freq
+
+HYBRID2D_CONFIG = "hybrid2d_config.json"  # the run's JobConfig, kept next to an export
+
+
+@dataclass
+class Source:
+    path: Path  # the step directory, or the exported directory
+    kind: str  # "dcp" | "hf"
+
+
+def locate(setting: str, what: str = "checkpoint") -> Source:
+    """Which checkpoint `setting` names; ConfigError (one line) if none."""
+    p = Path(setting).expanduser()
+    if not p.exists():
+        raise ConfigError(f"{what} {setting!r} does not exist")
+    if not p.is_dir():
+        raise ConfigError(f"{what} {setting!r} is a file; pass a checkpoint directory")
+    if (p / "model.safetensors").is_file() or (p / "model.safetensors.index.json").is_file():
+        return Source(p, "hf")
+    return Source(layout.resolve_dir(p, what, setting), "dcp")
+
+
+def verify(path: Path) -> None:
+    """ConfigError if a DCP checkpoint's files differ from its checksums.json (all checked)."""
+    problem = integrity.verify(path)
+    if problem:
+        raise ConfigError(f"checkpoint {path} is damaged: {problem}")
+
+
+def model_config(src: Source) -> ModelConfig:
+    if src.kind == "dcp":
+        saved = read_config(src.path)
+        if saved is None:
+            raise ConfigError(
+                f"checkpoint {src.path} has no {layout.CONFIG}; cannot tell the model's shape"
+            )
+        return saved.model
+    own = src.path / HYBRID2D_CONFIG
+    if own.is_file():
+        from hybrid2d.config import JobConfig
+
+        return JobConfig.from_dict(json.loads(own.read_text())).model
+    from hybrid2d.checkpoint.hf import model_config_from_hf
+
+    try:
+        hf = json.loads((src.path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{src.path}/config.json is unreadable ({e})") from None
+    return model_config_from_hf(hf, str(src.path / "config.json"))
+
+
+def _tensors(src: Source):
+    if src.kind == "dcp":
+        yield from iter_model_tensors(src.path, read_metadata(src.path))
+        return
+    from hybrid2d.checkpoint.hf_safetensors import HFCheckpoint
+
+    with HFCheckpoint(str(src.path)) as ckpt:
+        for name in ckpt.tensors:
+            yield name, ckpt.read(name)
+
+
+def load_model(src: Source, dtype: torch.dtype = torch.float32) -> tuple[Llama, ModelConfig]:
+    """The whole model in this process, in eval mode."""
+    cfg = model_config(src)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    state = {}
+    for name, tensor in _tensors(src):
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        if name not in expected:
+            raise ConfigError(f"{src.path}: tensor {name} is not part of a Llama of its config")
+        if tuple(tensor.shape) != expected[name]:
+            raise ConfigError(
+                f"{src.path}: {name} has shape {list(tensor.shape)}, the config implies "
+                f"{list(expected[name])}"
+            )
+        state[name] = tensor.to(dtype)
+    missing = set(expected) - set(state) - ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    if missing:
+        raise ConfigError(f"{src.path} lacks {sorted(missing)[0]}")
+    model.load_state_dict(state, strict=False, assign=True)
+    model.inv_freq = rope_inv_freq(cfg)
+    model.tie_weights()
+    return model.eval(), cfg
+
+
+def tokenizer_path(src: Source) -> Path | None:
+    """The tokenizer.json saved with the checkpoint (or next to an export), if any."""
+    f = src.path / layout.TOKENIZER
+    return f if f.is_file() else None

@@ -1,0 +1,72 @@
+"""Export a training checkpoint's model as one consolidated model.safetensors plus config.json.
+
+python tools/export_checkpoint.py CHECKPOINT OUT [--dtype fp32|bf16]
+
+CHECKPOINT is a DCP step directory (runs/<run>/checkpoints/step-0000100), or a run or checkpoints
+directory, meaning the checkpoint its `latest` names. The checkpoint's files are checked against
+its checksums first. OUT gets model.safetensors (every tensor merged from all ranks' shards),
+a Hugging Face LlamaForCausalLM config.json (transformers loads the directory as is),
+hybrid2d_config.json (the run's settings), and the run's tokenizer.json.
+
+Streaming: tensors are read from the DCP files and appended to the safetensors file one at a
+time, so the process never holds more than one tensor (plus the output file's header). Large
+models can be split into several files with --max-shard-size (HF's index format).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+ONE_FILE = 2**62  # no size cap: a single model.safetensors
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("checkpoint", help="DCP step directory, or a run / checkpoints directory")
+    p.add_argument("out", help="new directory to write")
+    p.add_argument("--dtype", default="fp32", help="fp32 (default) or bf16")
+    p.add_argument(
+        "--max-shard-size", default="", help="split into files of at most this size (e.g. 5GB)"
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+
+    from hybrid2d.checkpoint import layout, standalone
+    from hybrid2d.checkpoint.hf_convert import convert_dcp_to_hf, parse_dtype
+    from hybrid2d.checkpoint.hf_safetensors import parse_size
+    from hybrid2d.config import ConfigError
+
+    try:
+        if args.dtype.lower() not in ("fp32", "float32", "bf16", "bfloat16"):
+            raise ConfigError(f"--dtype {args.dtype!r} is not one of fp32, bf16")
+        src = standalone.locate(args.checkpoint)
+        if src.kind != "dcp":
+            raise ConfigError(
+                f"{args.checkpoint} is already a safetensors directory; pass a DCP checkpoint"
+            )
+        standalone.verify(src.path)
+        standalone.model_config(src)  # a checkpoint without config.json fails here, clearly
+        cap = parse_size(args.max_shard_size) if args.max_shard_size else ONE_FILE
+        summary = convert_dcp_to_hf(
+            str(src.path), args.out, cap, parse_dtype(args.dtype), progress=not args.no_progress
+        )
+        shutil.copyfile(
+            src.path / layout.CONFIG, os.path.join(args.out, standalone.HYBRID2D_CONFIG)
+        )
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(summary.lines(f"exported {src.path} -> {args.out}"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""Sample text from a checkpoint: see what a run has learned.
+
+python tools/generate.py CHECKPOINT --prompt "def " [--max-new-tokens 64]
+                         [--temperature 0 | --temperature 0.8 --top-k 50 --seed 1]
+
+CHECKPOINT is a DCP training checkpoint (a step directory, or a run / checkpoints directory for
+its latest checkpoint) or a directory written by tools/export_checkpoint.py (or any Hugging Face
+Llama directory with safetensors). The tokenizer is the tokenizer.json saved with the checkpoint
+unless --tokenizer is given. Temperature 0 is greedy decoding. One process, no GPU needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("checkpoint", help="DCP step/run directory or exported safetensors directory")
+    p.add_argument("--prompt", default="", help="text to continue ('' starts a new document)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", default="", help="tokenizer.json (default: the checkpoint's)")
+    p.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-text token")
+    p.add_argument("--json", action="store_true", help="print {prompt, completion, ids} as JSON")
+    args = p.parse_args(argv)
+    if args.max_new_tokens < 1:
+        p.error(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
+    if args.temperature < 0:
+        p.error(f"--temperature {args.temperature} must be >= 0 (0: greedy)")
+    if args.top_k < 0:
+        p.error(f"--top-k {args.top_k} must be >= 0 (0: no limit)")
+    return args
+
+
+def sample(
+    model,
+    ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    seed: int = 0,
+    stop_id: int | None = None,
+    max_context: int | None = None,
+) -> list[int]:
+    """New token ids after `ids`: greedy at temperature 0, else softmax(logits / T) over the
+    top_k likeliest. Recomputes the whole context per token (no KV cache): small models only."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    out: list[int] = []
+    context = list(ids)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            window = context[-max_context:] if max_context else context
+            logits = model(torch.tensor([window]))[0, -1].float()
+            if temperature == 0:
+                nxt = int(torch.argmax(logits))
+            else:
+                logits = logits / temperature
+                if top_k and top_k < logits.numel():
+                    kth = torch.topk(logits, top_k).values[-1]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                probs = torch.softmax(logits, dim=-1)
+                nxt = int(torch.multinomial(probs, 1, generator=gen))
+            out.append(nxt)
+            context.append(nxt)
+            if stop_id is not None and nxt == stop_id:
+                break
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    from tokenizers import Tokenizer
+
+    from hybrid2d.checkpoint import standalone
+    from hybrid2d.config import ConfigError
+    from hybrid2d.data.tokenizer import EOS_CANDIDATES
+
+    try:
+        src = standalone.locate(args.checkpoint)
+        if src.kind == "dcp":
+            standalone.verify(src.path)
+        tok_path = args.tokenizer or standalone.tokenizer_path(src)
+        if not tok_path:
+            raise ConfigError(
+                f"{src.path} has no tokenizer.json; pass --tokenizer PATH (the run's tokenizer "
+                "is cached under its data.cache_dir/tokenizers)"
+            )
+        try:
+            tok = Tokenizer.from_file(str(tok_path))
+        except Exception as e:  # the tokenizers library raises plain Exception
+            raise ConfigError(f"tokenizer {tok_path} cannot be read ({e})") from None
+        model, cfg = standalone.load_model(src)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    eos = next((i for n in EOS_CANDIDATES if (i := tok.token_to_id(n)) is not None), None)
+    ids = tok.encode(args.prompt).ids if args.prompt else []
+    if not ids:
+        if eos is None:
+            print("error: empty prompt and the tokenizer has no end-of-text token", file=sys.stderr)
+            return 2
+        ids = [eos]  # packed training data separates documents with EOS: start a new one
+    new = sample(
+        model,
+        ids,
+        args.max_new_tokens,
+        args.temperature,
+        args.top_k,
+        args.seed,
+        None if args.no_stop else eos,
+        cfg.max_position_embeddings,
+    )
+    completion = tok.decode(new, skip_special_tokens=True)
+    if args.json:
+        print(json.dumps({"prompt": args.prompt, "completion": completion, "ids": new}))
+    else:
+        print(args.prompt + completion)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
