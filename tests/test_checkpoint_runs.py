@@ -272,6 +272,18 @@ def test_checkpoint_of_another_shape_names_the_key_and_shapes(crashed):
     ) in str(e.value)
 
 
+def test_resume_of_a_finished_run_says_there_is_nothing_left(crashed):
+    from hybrid2d.checkpoint.dcp import find_resume
+    from hybrid2d.config import JobConfig
+
+    step = layout.final_dir(crashed[0], 10)
+    cfg = JobConfig.from_dict(json.loads((step / "config.json").read_text()))
+    cfg.train.steps = 10
+    cfg.checkpoint.resume = str(step)
+    with pytest.raises(ConfigError, match="is at step 10, train.steps=10: nothing left to train"):
+        find_resume(cfg, step.parent.parent)
+
+
 # ---- export and generate ---------------------------------------------------------------------
 
 

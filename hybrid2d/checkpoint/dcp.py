@@ -141,7 +141,17 @@ def preflight(path: Path, cfg: JobConfig) -> Metadata:
             "converted from Hugging Face); start from it with --checkpoint.init_from dcp:PATH"
         )
     check_model_shapes(path, meta, expected_model_shapes(cfg.model), cfg.model)
+    step = layout.step_of(path)
+    if step is not None and step >= cfg.train.steps:
+        raise ConfigError(_finished(path, step, cfg.train.steps))
     return meta
+
+
+def _finished(path: Path, step: int, steps: int) -> str:
+    return (
+        f"checkpoint {path} is at step {step}, train.steps={steps}: nothing left to train; "
+        f"raise --train.steps above {step}"
+    )
 
 
 # ---- the training state ----------------------------------------------------------------------
@@ -345,10 +355,7 @@ class Checkpointer:
         t.step = int(saved["step"])
         self._last_saved_step = t.step
         if t.step >= self.cfg.train.steps:
-            raise ConfigError(
-                f"checkpoint {path} is at step {t.step}, train.steps={self.cfg.train.steps}: "
-                f"nothing left to train; raise --train.steps above {t.step}"
-            )
+            raise ConfigError(_finished(path, t.step, self.cfg.train.steps))
         print0(f"resumed from {path} at step {t.step} ({time.perf_counter() - start:.2f} s)")
         return t.step
 
