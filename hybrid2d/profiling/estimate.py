@@ -1,0 +1,368 @@
+"""Estimated memory of one rank: an analytic model of a training step from the config and mesh.
+
+Parameters, gradients and optimizer state are counted tensor by tensor, sharded the way the
+trainer shards them: the TP plans of `parallel/tensor_parallel.py` decide which dimension of
+each weight is split over tp (norm weights are replicated over tp), then FSDP2 splits the
+TP-local tensor on dim 0 over dp_shard in chunks of ceil(rows / dp_shard), padding the last
+chunks (so every rank stores the padded size; the optimizer's moments, made with `zeros_like`
+of the unpadded local view, are not padded and differ between ranks when rows do not divide).
+Sharded parameters and gradients are fp32 whatever the compute dtype (FSDP2 keeps the fp32
+shards and reduces gradients in fp32); with bf16 mixed precision only the gathered copies, the
+activations and the logits before `.float()` are bf16.
+
+Activations are the tensors autograd saves, per transformer block (micro batch b, sequence s,
+N = b*s tokens; sequence parallelism splits the residual stream and the norms over tp, the
+attention and MLP see the gathered sequence with their heads / ffn split over tp):
+
+    2 norms        2 * (N/tp) * dim * (4 + c)     fp32 input (or its fp32 copy) + normed (c)
+    attn/mlp in    2 * N * dim * c                the gathered sequence (tp > 1) or norm output
+    q, k, v        N * (heads + 2 kv_heads) * head_dim / tp * c
+    attention out  N * heads * head_dim / tp * c  (+ the logsumexp, fp32)
+    MLP            4 * N * ffn / tp * c           gate, silu(gate), up, their product
+
+with c the compute bytes (4 fp32, 2 bf16). With activation checkpointing a block keeps only its
+input, (N/tp) * dim * c, and one block's set is rebuilt during its backward. After the last
+block: the final norm, the lm_head input and the logits, N * vocab/tp * 4 bytes in fp32. The
+loss adds transients of the logits' size: the peak of cross entropy's backward holds 3 of them
+(log-softmax output, its gradient and nll's gradient) and loss parallel's 4 (the vocab-parallel
+log-softmax keeps one more).
+
+Communication buffers are FSDP2's: each unit's gathered parameters (padded, in the compute
+dtype), their gradients before the reduce-scatter, and the flat reduce-scatter input. The root
+unit (embedding, final norm, lm_head) stays gathered from forward to the end of backward, and
+so does the last block (the trainer does not reshard it after forward).
+
+The peak is the largest total over the moments a step passes through: the loss (all
+activations saved, logits' transients), the last block's backward, the end of backward (the
+embedding's gradient) and the optimizer step. The model was derived from, and is checked
+against, `measure.MemoryTracker` on CPU (tests/test_memory.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from hybrid2d.config import ConfigError, JobConfig, ModelConfig
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """(dp_replicate, dp_shard, tp); ranks are numbered with tp fastest, as in `mesh.py`."""
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        if not 0 <= rank < self.world:
+            raise ConfigError(f"rank {rank} is not in [0, {self.world}) for mesh {self}")
+        return rank // (self.tp * self.dp_shard), (rank // self.tp) % self.dp_shard, rank % self.tp
+
+    def __str__(self) -> str:
+        rep = f"{self.dp_replicate}x" if self.dp_replicate > 1 else ""
+        return f"{rep}{self.dp_shard}x{self.tp}"
+
+    @classmethod
+    def parse(cls, text: str) -> MeshShape:
+        """'DPxTP' (FSDP over DP ranks, TP inside) or 'REPxSHARDxTP' (HSDP)."""
+        parts = re.split(r"[x,*]", text.strip().lower())
+        try:
+            sizes = [int(p) for p in parts]
+        except ValueError:
+            sizes = []
+        if len(sizes) not in (2, 3) or min(sizes, default=0) < 1:
+            raise ConfigError(
+                f"--mesh {text!r} is not DPxTP (e.g. 8x8) or REPLICATExSHARDxTP (e.g. 2x4x8)"
+            )
+        return cls(1, *sizes) if len(sizes) == 2 else cls(*sizes)
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    name: str
+    shape: tuple[int, ...]
+    tp_dim: int | None  # the dim split over tp; None: replicated over tp
+    unit: int  # FSDP unit: block index, or -1 for the root
+
+
+def _tp_dim(module: nn.Module, style) -> int | None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if isinstance(style, ColwiseParallel):
+        return 1 if isinstance(module, nn.Embedding) else 0
+    if isinstance(style, RowwiseParallel):
+        return 0 if isinstance(module, nn.Embedding) else 1
+    return None  # SequenceParallel, PrepareModuleInput: parameters replicated
+
+
+def model_params(m: ModelConfig) -> list[ParamInfo]:
+    """Every parameter of the model with its tp split and FSDP unit, from a meta-device model
+    and the TP plans the trainer applies (tied embeddings appear once)."""
+    return list(_model_params(tuple(sorted(dataclasses.asdict(m).items()))))
+
+
+@functools.lru_cache(maxsize=16)
+def _model_params(key: tuple) -> tuple[ParamInfo, ...]:
+    from hybrid2d.models.llama import Llama
+
+    m = ModelConfig(**dict(key))
+    from hybrid2d.parallel.tensor_parallel import llama_block_plan, llama_root_plan
+
+    with torch.device("meta"):
+        model = Llama(m)
+    styles: dict[str, object] = dict(llama_root_plan())
+    for i in range(m.n_layers):
+        for path, style in llama_block_plan().items():
+            styles[f"model.layers.{i}.{path}"] = style
+    out = []
+    for name, p in model.named_parameters():
+        module_path = name.rsplit(".", 1)[0]
+        module = model.get_submodule(module_path)
+        style = styles.get(module_path)
+        match = re.match(r"model\.layers\.(\d+)\.", name)
+        out.append(
+            ParamInfo(
+                name,
+                tuple(p.shape),
+                _tp_dim(module, style) if style is not None else None,
+                int(match.group(1)) if match else -1,
+            )
+        )
+    return tuple(out)
+
+
+def tp_local_shape(p: ParamInfo, tp: int) -> tuple[int, ...]:
+    if p.tp_dim is None or tp == 1:
+        return p.shape
+    shape = list(p.shape)
+    shape[p.tp_dim] = math.ceil(shape[p.tp_dim] / tp)  # the config makes these divide
+    return tuple(shape)
+
+
+def fsdp_shard(local: tuple[int, ...], dp_shard: int, shard_rank: int) -> tuple[int, int]:
+    """(padded numel, real numel) of one rank's FSDP2 dim-0 shard of a TP-local tensor."""
+    rows = local[0]
+    chunk = math.ceil(rows / dp_shard)
+    rest = math.prod(local[1:])
+    mine = max(0, min(chunk, rows - shard_rank * chunk))
+    return chunk * rest, mine * rest
+
+
+def compute_dtype_bytes(cfg: JobConfig, target: str) -> int:
+    mp = cfg.parallel.mixed_precision
+    return 2 if mp == "bf16" or (mp == "auto" and target == "cuda") else 4
+
+
+@dataclass
+class Estimate:
+    """Bytes per rank. `phases` holds each moment's total by category; the peak is the largest."""
+
+    mesh: str
+    rank: int
+    target: str
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int  # the activation category's own peak
+    communication: int  # the communication category's own peak
+    peak: int
+    peak_phase: str
+    phases: dict[str, dict[str, int]] = field(default_factory=dict)
+    terms: dict[str, int] = field(default_factory=dict)  # the pieces, for the report
+    micro_batch: int = 0
+    micro_batches: int = 1
+    seq_len: int = 0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def estimate(cfg: JobConfig, mesh: MeshShape, rank: int = 0, target: str = "cuda") -> Estimate:
+    """Per-rank memory of one training step of `cfg` on `mesh` (validated first)."""
+    cfg = JobConfig.from_dict(dataclasses.asdict(cfg))  # a copy, on this mesh
+    cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.tp = (
+        mesh.dp_replicate,
+        mesh.dp_shard,
+        mesh.tp,
+    )
+    cfg.validate(mesh.world)  # raises ConfigError naming the setting
+    if target not in ("cuda", "cpu"):
+        raise ConfigError(f"target {target!r} is not one of cuda, cpu")
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    _, shard_rank, _ = mesh.coords(rank)
+    tp, dps = mesh.tp, mesh.dp_shard
+    c = compute_dtype_bytes(cfg, target)
+
+    # ---- parameters, gradients, optimizer state (exact) -------------------------------------
+    params = model_params(m)
+    padded = real = 0
+    unit_gathered: dict[int, int] = {}
+    lm_head_gathered = 0
+    for info in params:
+        local = tp_local_shape(info, tp)
+        pad, mine = fsdp_shard(local, dps, shard_rank)
+        padded += pad
+        real += mine
+        unit_gathered[info.unit] = unit_gathered.get(info.unit, 0) + pad * dps * c
+        if info.name == "lm_head.weight" or (m.tie_embeddings and "embed_tokens" in info.name):
+            lm_head_gathered = pad * dps * c
+    buffers = (m.head_dim // 2) * 4  # inv_freq (fp32, every rank)
+    parameters = padded * 4 + buffers
+    gradients = padded * 4
+    if t.optimizer == "adamw":
+        # exp_avg and exp_avg_sq per parameter; the step counters are 0-d fp32 tensors on the
+        # CPU unless the optimizer is fused/capturable, so they count on the CPU only.
+        optimizer = 2 * real * 4 + (len(params) * 4 if target == "cpu" else 0)
+    else:
+        optimizer = 0
+    biggest_local = max(fsdp_shard(tp_local_shape(i, tp), dps, shard_rank)[1] for i in params)
+
+    # ---- activations ------------------------------------------------------------------------
+    local_batch = t.global_batch // mesh.dp
+    b = t.micro_batch or local_batch
+    n_micro = local_batch // b
+    S, D, hd = t.seq_len, m.dim, m.head_dim
+    N = b * S
+    Nl = N // tp
+    heads, kv, ffn, vocab = m.n_heads // tp, m.n_kv_heads // tp, m.ffn_dim // tp, m.vocab_size
+    terms = {
+        "norms": 2 * Nl * D * (4 + c) + 2 * Nl * 4,
+        "attention and MLP inputs": 2 * N * D * c,
+        "q, k, v": N * (heads + 2 * kv) * hd * c,
+        "attention output": N * heads * hd * c + b * heads * S * 4,
+        "MLP": 4 * N * ffn * c,
+    }
+    if getattr(p, "fused_projections", False):
+        # One matmul for q/k/v and one for gate/up: the concatenated weights are saved for
+        # backward, and the fused q/k/v output stays alive through its v slice.
+        terms["fused projections"] = (
+            N * (heads + kv) * hd * c + ((heads + 2 * kv) * hd * D + 2 * ffn * D) * c
+        )
+    block = sum(terms.values())
+    ckpt = Nl * D * c
+    full_ac = p.activation_checkpoint == "full"
+    blocks_saved = m.n_layers * (ckpt if full_ac else block)
+    head = Nl * D * (4 + c) + Nl * 4 + N * D * c
+    logits = N * (vocab // tp) * 4
+    inputs = 2 * b * S * 8 + 2 * S * hd * c
+    loss_k = 4 if tp > 1 else 3
+    ffn_grad = 2 * N * ffn * c
+    # The final norm's output, gathered over the sequence for the lm_head (tp > 1: the gather's
+    # output and its re-layout both exist for a moment).
+    head_gather = Nl * D * c + (2 * N * D * c if tp > 1 else 0)
+    act = {
+        "end of forward": blocks_saved + Nl * D * (4 + c) + Nl * 4 + head_gather + inputs,
+        "loss": blocks_saved + head + loss_k * logits + inputs,
+        "last block backward": blocks_saved
+        + (block if full_ac else 0)
+        + ffn_grad
+        + Nl * D * c
+        + N * D * c
+        + inputs,
+        # The vocab-parallel embedding's backward builds a gradient for the whole vocabulary.
+        "end of backward": vocab * D * c + N * D * c,
+        "optimizer": 2 * biggest_local * 4,
+    }
+    terms.update(
+        {
+            "per block": block,
+            "per block kept (activation checkpointing)": ckpt if full_ac else block,
+            "blocks": blocks_saved,
+            "final norm and lm_head input": head,
+            "logits (fp32)": logits,
+            f"loss transients ({loss_k} x logits)": loss_k * logits,
+        }
+    )
+
+    # ---- communication buffers --------------------------------------------------------------
+    # A unit's gathered parameters (compute dtype); FSDP2 holds the flat all-gather output of
+    # the latest all-gather until the next one. In a block's backward: its gathered parameters,
+    # the next unit's (prefetched), their gradients before the reduce-scatter (compute dtype)
+    # and the reduce-scatter input (fp32); the lm_head's gradient waits for the root's
+    # reduce-scatter at the end of backward.
+    root = unit_gathered.get(-1, 0)
+    blocks_units = [unit_gathered[i] for i in range(m.n_layers)] or [0]
+    unit, last = max(blocks_units), blocks_units[-1]
+    kept = sum(blocks_units[:-1]) if not p.reshard_after_forward else 0
+    comm = {
+        "end of forward": root + kept + 2 * last,
+        "loss": root + kept + last,
+        "last block backward": root + kept + lm_head_gathered + 2 * unit,
+        "end of backward": root + lm_head_gathered,
+        "optimizer": 0,
+    }
+    comm_peak = root + kept + lm_head_gathered + 3 * unit + unit * 4 // c
+    if getattr(p, "defer_grad_sync", False) and n_micro > 1:
+        # Gradients stay unsharded (fp32) from one micro batch to the next.
+        unsharded_grads = sum(math.prod(tp_local_shape(i, tp)) for i in params) * 4
+        for name in ("end of forward", "loss", "last block backward"):
+            comm[name] += unsharded_grads
+        comm_peak += unsharded_grads
+
+    # ---- the moments of a step --------------------------------------------------------------
+    # Sharded gradients accumulated by earlier micro batches (none when their sync is deferred).
+    defer = getattr(p, "defer_grad_sync", False)
+    grads_before = gradients if n_micro > 1 and not defer else 0
+    grads = {
+        "end of forward": grads_before,
+        "loss": grads_before,
+        "last block backward": grads_before,
+        "end of backward": gradients,
+        "optimizer": gradients,
+    }
+    phases = {
+        name: {
+            "parameters": parameters,
+            "gradients": grads[name],
+            "optimizer": optimizer,
+            "communication": comm[name],
+            "activations": act[name],
+        }
+        for name in act
+    }
+    totals = {name: sum(v.values()) for name, v in phases.items()}
+    peak_phase = max(totals, key=totals.get)
+    return Estimate(
+        mesh=str(mesh),
+        rank=rank,
+        target=target,
+        parameters=parameters,
+        gradients=gradients,
+        optimizer=optimizer,
+        activations=max(act.values()),
+        communication=max(comm_peak, *comm.values()),
+        peak=totals[peak_phase],
+        peak_phase=peak_phase,
+        phases=phases,
+        terms=terms,
+        micro_batch=b,
+        micro_batches=n_micro,
+        seq_len=S,
+    )
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB', '80GB', '80G', '81920MiB', '1.5TiB' -> bytes, binary units throughout (G, GB and
+    GiB all mean 2**30, as accelerator memory is quoted)."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
+    if not match:
+        raise ConfigError(f"--device-memory {text!r} is not a size like 80GiB or 141GB")
+    value, unit = float(match.group(1)), match.group(2)
+    return int(value * 2 ** (10 * " kmgt".index(unit or " ")))

@@ -1,0 +1,182 @@
+"""The training loop's memory profiler: `--profile.memory` and `--profile.snapshot`.
+
+The trainer makes one `MemoryProfiler` and calls it at four places: `step()` around each
+`train_step`, `scalars()` for TensorBoard, `close()` in its `finally`, and `write_report()` once
+training ended normally. With both settings off every call is a no-op.
+
+- `--profile.memory`: each rank measures each step (`measure.measure_step`) and writes
+  `RUN/memory/rank{r}.json` (every step's figures and this rank's estimate); rank 0 logs
+  `memory/*` scalars and, at the end, writes `RUN/memory/memory_report.{md,html}` with the
+  measured figures of every rank next to the estimate.
+- `--profile.snapshot` (CUDA): records the caching allocator's history from the start and dumps
+  `RUN/memory/snapshot_rank{r}.pickle` at the end; open it at https://pytorch.org/memory_viz.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+GiB = 2**30
+
+
+class MemoryProfiler:
+    def __init__(self, cfg, trainer, run_dir: str):
+        self.cfg = cfg
+        self.trainer = trainer
+        self.mesh = trainer.mesh
+        self.enabled = bool(cfg.profile.memory)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.dir = os.path.join(run_dir, "memory")
+        self.records: list[dict] = []
+        self.snapshot = bool(cfg.profile.snapshot) and self.mesh.device.type == "cuda"
+        if cfg.profile.snapshot and not self.snapshot and self.rank == 0:
+            print(
+                "profile.snapshot needs CUDA (it records the caching allocator); on "
+                f"{self.mesh.device.type} use profile.memory for per-rank figures",
+                file=sys.stderr,
+                flush=True,
+            )
+        if self.enabled or self.snapshot:
+            os.makedirs(self.dir, exist_ok=True)
+        if self.snapshot:
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
+
+    @contextlib.contextmanager
+    def step(self):
+        """Around one `train_step`: measure it (when enabled)."""
+        if not self.enabled:
+            yield
+            return
+        from hybrid2d.profiling.measure import measure_step
+
+        t = self.trainer
+        with measure_step(t.model, t.optimizer, t.step + 1, self.rank) as result:
+            yield
+        self.records.append(result[0].to_dict())
+
+    def scalars(self) -> dict[str, float]:
+        """memory/* figures of the last measured step of this rank, in GiB."""
+        if not self.enabled or not self.records:
+            return {}
+        r = self.records[-1]
+        out = {
+            f"memory/{k}_gib": r[k] / GiB
+            for k in ("parameters", "gradients", "optimizer", "activations", "communication")
+        }
+        out["memory/tensors_peak_gib"] = r["peak"] / GiB
+        out["memory/rss_gib"] = r["rss"] / GiB
+        if r["device_peak"]:
+            out["memory/device_allocated_peak_gib"] = r["device_peak"] / GiB
+            out["memory/device_reserved_peak_gib"] = r["device_reserved_peak"] / GiB
+        return out
+
+    def _estimate(self) -> list[dict]:
+        from hybrid2d.profiling.estimate import MeshShape, estimate
+
+        m = self.mesh
+        shape = MeshShape(m.dp_replicate, m.dp_shard, m.tp)
+        try:
+            return [
+                estimate(self.cfg, shape, r, m.device.type).to_dict() for r in range(shape.world)
+            ]
+        except Exception as e:  # the estimate is an extra; never fail a run because of it
+            print(f"memory estimate unavailable: {e}", file=sys.stderr, flush=True)
+            return []
+
+    def close(self) -> None:
+        """Write this rank's figures (and snapshot); safe in a `finally`, no collectives."""
+        if self.snapshot:
+            path = os.path.join(self.dir, f"snapshot_rank{self.rank}.pickle")
+            torch.cuda.memory._dump_snapshot(path)
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self.snapshot = False
+        if not self.enabled:
+            return
+        m = self.mesh
+        data = {
+            "rank": self.rank,
+            "world_size": self.world,
+            "mesh": {"dp_replicate": m.dp_replicate, "dp_shard": m.dp_shard, "tp": m.tp},
+            "device": m.device.type,
+            "steps": self.records,
+        }
+        with open(os.path.join(self.dir, f"rank{self.rank}.json"), "w") as f:
+            json.dump(data, f, indent=1)
+
+    def write_report(self) -> tuple[str, str] | None:
+        """After a normal end: rank 0 writes the report from every rank's JSON (a barrier)."""
+        if not self.enabled:
+            return None
+        self.close()
+        if dist.is_initialized():
+            dist.barrier()
+        if self.rank != 0:
+            return None
+        from hybrid2d.profiling.report import Entry, Report, write
+
+        measured = load_measured(os.path.dirname(self.dir))
+        estimates = self._estimate()
+        m = self.mesh
+        rep_prefix = f"{m.dp_replicate}x" if m.dp_replicate > 1 else ""
+        entry = Entry(
+            mesh=f"{rep_prefix}{m.dp_shard}x{m.tp}",
+            estimate=estimates[0] if estimates else None,
+            estimate_per_rank=estimates,
+            measured=measured,
+        )
+        rep = Report(
+            title=f"Memory of {self.cfg.recipe} on {m.device.type}, {self.world} ranks",
+            summary=summary_rows(self.cfg, m.device.type),
+            entries=[entry],
+            notes=[
+                "measured: the last step of each rank, by tensor accounting "
+                "(hybrid2d.profiling.measure); CPU RSS is in rank*.json",
+            ],
+        )
+        paths = write(rep, self.dir)
+        print(f"memory report: {paths[1]}", flush=True)
+        return paths
+
+
+def load_measured(run_dir: str, step: int | None = None) -> list[dict]:
+    """One StepMemory dict per rank from RUN/memory/rank*.json: `step`, else the last step."""
+    folder = os.path.join(run_dir, "memory")
+    out = []
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if name.startswith("rank") and name.endswith(".json"):
+            with open(os.path.join(folder, name)) as f:
+                steps = json.load(f)["steps"]
+            chosen = [s for s in steps if s["step"] == step] if step is not None else steps[-1:]
+            out += chosen
+    return sorted(out, key=lambda r: r["rank"])
+
+
+def summary_rows(cfg, target: str) -> list[tuple[str, str]]:
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    mp = p.mixed_precision
+    if mp == "auto":
+        mp = "bf16" if target == "cuda" else "fp32"
+    return [
+        ("recipe", cfg.recipe),
+        ("parameters", f"{m.num_params() / 1e6:,.1f}M"),
+        (
+            "model",
+            f"dim {m.dim}, {m.n_layers} layers, {m.n_heads}/{m.n_kv_heads} heads, "
+            f"ffn {m.ffn_dim}, vocab {m.vocab_size}",
+        ),
+        (
+            "batch",
+            f"global {t.global_batch}, micro {t.micro_batch or 'whole per-rank batch'}, "
+            f"sequence {t.seq_len}",
+        ),
+        ("precision", f"{mp} ({target})"),
+        ("activation checkpointing", p.activation_checkpoint),
+        ("optimizer", t.optimizer),
+    ]

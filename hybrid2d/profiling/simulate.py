@@ -1,0 +1,259 @@
+"""One rank of a large mesh, run on this machine: the real model and training step over a fake
+process group, measuring that rank's memory.
+
+`torch.distributed`'s "fake" backend (torch.testing._internal.distributed.fake_pg) accepts every
+collective and does nothing, so a single process can be rank r of a world of 64: the model is
+built on the meta device, parallelised for the full (dp_replicate, dp_shard, tp) mesh by the
+same `Trainer`/`build_model` a real run uses, and `to_empty` materialises only rank r's shards.
+Then real training steps run (forward, loss parallel, backward, clip, optimizer step) under the
+`MemoryTracker`. Collectives return garbage, so the numbers computed are meaningless; the memory
+is not, because every tensor the step allocates is allocated with its real shape and dtype.
+
+Two shortcuts keep large models affordable without changing what is allocated:
+- weights are filled with noise shard by shard (the real initialisation draws each full tensor);
+- with `skip_compute` (the default) matrix multiplications and attention return uninitialised
+  outputs of the shape and dtype the real kernel would produce (found by running the op on the
+  meta device). Elementwise work still runs, so a step costs seconds instead of TFLOPs.
+
+Run in its own process (`python -m hybrid2d.profiling.simulate SPEC.json OUT.json`) so that one
+simulation's process group, RSS and peak never mix with another's; `run_subprocess` does that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
+
+from hybrid2d.config import JobConfig
+
+aten = torch.ops.aten
+
+# Ops whose cost is O(n^3)-like; their outputs are fresh tensors (no views, no out=).
+HEAVY_OPS = {
+    aten.mm.default,
+    aten.addmm.default,
+    aten.bmm.default,
+    aten.baddbmm.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+}
+
+
+class SimulationMode(TorchDispatchMode):
+    """What a one-rank simulation changes in the ops it runs (never what they allocate).
+
+    - A Python scalar read from a tensor (`.item()`) that is not finite reads 0: the fake
+      collectives leave garbage in their outputs, and the trainer's non-finite guard would
+      otherwise stop the step before the optimizer runs.
+    - With `skip_compute`, heavy ops return uninitialised outputs of the shape, stride and
+      dtype the real kernel produces (found by running the op on the meta device).
+    """
+
+    def __init__(self, skip_compute: bool = True):
+        super().__init__()
+        self.skip_compute = skip_compute
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        kwargs = kwargs or {}
+        if func is aten._local_scalar_dense.default:
+            value = func(*args, **kwargs)
+            return value if math.isfinite(value) else type(value)(0)
+        if not (self.skip_compute and func in HEAVY_OPS):
+            return func(*args, **kwargs)
+        device = next(
+            a.device for a in args if isinstance(a, torch.Tensor) and a.device.type != "meta"
+        )
+        meta_args, meta_kwargs = tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+        meta_out = func(*meta_args, **meta_kwargs)
+        return tree_map_only(
+            torch.Tensor,
+            lambda m: torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=device),
+            meta_out,
+        )
+
+
+@contextlib.contextmanager
+def _noise_init():
+    """Make `Llama.init_weights` fill each local shard with noise, never a full tensor."""
+    from hybrid2d.models.llama import Llama
+
+    original = Llama.init_weights
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        for p in self.parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            local.copy_(torch.randn(local.shape, generator=gen, dtype=local.dtype) * 0.02)
+
+    Llama.init_weights = init_weights
+    try:
+        yield
+    finally:
+        Llama.init_weights = original
+
+
+def prepare_config(cfg: JobConfig, mesh: tuple[int, int, int], target: str) -> JobConfig:
+    """The run's config on `mesh` as the target device would run it, checked like a real run."""
+    cfg = JobConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.tp = mesh
+    if cfg.parallel.mixed_precision == "auto":  # resolve for the target, not for this CPU
+        cfg.parallel.mixed_precision = "bf16" if target == "cuda" else "fp32"
+    cfg.checkpoint.init_from = ""
+    cfg.checkpoint.resume = ""
+    cfg.train.device = "cpu"
+    cfg.validate(mesh[0] * mesh[1] * mesh[2])
+    return cfg
+
+
+def simulate(
+    cfg: JobConfig,
+    mesh: tuple[int, int, int],
+    rank: int = 0,
+    target: str = "cuda",
+    skip_compute: bool = True,
+    micro_batches: int = 2,
+) -> dict:
+    """Rank `rank` of `mesh` = (dp_replicate, dp_shard, tp): a warm-up step, then a measured one.
+
+    The measured step runs min(micro_batches, per-rank batch / micro batch) micro batches: memory
+    in a step with gradient accumulation is that of the second micro batch onwards (gradients
+    already exist), so two stand for any number.
+    """
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hybrid2d.mesh import build_mesh
+    from hybrid2d.metrics import peak_rss_bytes
+    from hybrid2d.profiling.measure import measure_step
+    from hybrid2d.trainer import Trainer
+
+    start = time.perf_counter()
+    cfg = prepare_config(cfg, mesh, target)
+    world = mesh[0] * mesh[1] * mesh[2]
+    torch.set_flush_denormal(True)
+    torch.manual_seed(cfg.train.seed)
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    try:
+        m = build_mesh("cpu", *mesh)
+        with _noise_init():
+            trainer = Trainer(cfg, m)
+        t = cfg.train
+        local = t.global_batch // m.dp
+        micro = t.micro_batch or local
+        n = min(micro_batches, local // micro)
+        gen = torch.Generator().manual_seed(rank)
+
+        def batch(count: int, rows: int, seq: int):
+            out = []
+            for _ in range(count):
+                tokens = torch.randint(0, cfg.model.vocab_size, (rows, seq + 1), generator=gen)
+                out.append((tokens[:, :-1], tokens[:, 1:]))
+            return out
+
+        built = time.perf_counter()
+        with SimulationMode(skip_compute):
+            # A first step on one tiny sequence: FSDP's lazy init and the optimizer state exist
+            # from then on, as in a run's steady state.
+            trainer.train_step(batch(1, 1, m.tp))
+            step_start = time.perf_counter()
+            with measure_step(trainer.model, trainer.optimizer, 2, rank) as res:
+                trainer.train_step(batch(n, micro, t.seq_len))
+        done = time.perf_counter()
+        record = res[0].to_dict()
+    finally:
+        dist.destroy_process_group()
+    return {
+        "mesh": {"dp_replicate": mesh[0], "dp_shard": mesh[1], "tp": mesh[2]},
+        "rank": rank,
+        "world_size": world,
+        "target": target,
+        "mixed_precision": cfg.parallel.mixed_precision,
+        "micro_batch": micro,
+        "micro_batches_run": n,
+        "seq_len": t.seq_len,
+        "skip_compute": skip_compute,
+        "memory": record,
+        "build_s": built - start,
+        "step_s": done - step_start,
+        "wall_s": done - start,
+        "rss_peak": peak_rss_bytes(),
+        "config": cfg.to_dict(),
+    }
+
+
+def run_subprocess(
+    cfg: JobConfig,
+    mesh: tuple[int, int, int],
+    rank: int = 0,
+    target: str = "cuda",
+    skip_compute: bool = True,
+    timeout: float | None = None,
+) -> dict:
+    """`simulate` in a fresh Python process; returns its result (raises with its stderr)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = os.path.join(tmp, "spec.json")
+        out = os.path.join(tmp, "out.json")
+        with open(spec, "w") as f:
+            json.dump(
+                {
+                    "config": cfg.to_dict(),
+                    "mesh": list(mesh),
+                    "rank": rank,
+                    "target": target,
+                    "skip_compute": skip_compute,
+                },
+                f,
+            )
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ)
+        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
+            env.pop(var, None)
+        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+        proc = subprocess.run(
+            [sys.executable, "-m", "hybrid2d.profiling.simulate", spec, out],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(
+                f"simulation of mesh {mesh} rank {rank} failed ({proc.returncode}):\n"
+                f"{proc.stderr[-4000:]}"
+            )
+        with open(out) as f:
+            return json.load(f)
+
+
+def main(argv: list[str]) -> int:
+    spec_path, out_path = argv
+    with open(spec_path) as f:
+        spec = json.load(f)
+    result = simulate(
+        JobConfig.from_dict(spec["config"]),
+        tuple(spec["mesh"]),
+        rank=spec["rank"],
+        target=spec["target"],
+        skip_compute=spec["skip_compute"],
+    )
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
