@@ -30,6 +30,7 @@ from hybrid2d.metrics import MetricsWriter, flops_per_token, peak_memory_bytes
 from hybrid2d.models.llama import Llama
 from hybrid2d.optim import build_optimizer, build_scheduler, clip_grad_norm
 from hybrid2d.parallel import parallelize
+from hybrid2d.profiling.profiler import MemoryProfiler
 from hybrid2d.run_dir import create_run_dir, release_locks
 
 
@@ -212,6 +213,7 @@ def _train(cfg: JobConfig, mesh: Mesh) -> dict:
     if resume_from is not None:
         ckpt.load(resume_from)
     writer = MetricsWriter(run_dir if main else None, cfg.metrics.tensorboard)
+    memory = MemoryProfiler(cfg, trainer, run_dir)  # --profile.memory / --profile.snapshot
     bar = _progress(cfg.train.steps, cfg.metrics.progress_bar)
     tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
     fpt = flops_per_token(cfg.model, cfg.train.seq_len)
@@ -219,7 +221,9 @@ def _train(cfg: JobConfig, mesh: Mesh) -> dict:
     wall_start = time.perf_counter()
     try:
         while trainer.step < cfg.train.steps:
-            result = trainer.train_step(loader.next_batch())
+            with memory.step():
+                result = trainer.train_step(loader.next_batch())
+            writer.scalars(result.step, memory.scalars())
             if result.skipped:
                 print0(f"step {result.step}: non-finite loss/grad norm, update skipped")
             losses.append(result.loss)
@@ -246,10 +250,12 @@ def _train(cfg: JobConfig, mesh: Mesh) -> dict:
                 break
     finally:
         ckpt.close()  # waits for an async save still being written
+        memory.close()
         if bar is not None:
             bar.close()
         writer.close()
     wall = time.perf_counter() - wall_start
+    memory.write_report()
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, peak_memory_bytes(mesh.device))
     # Skip the first steps (allocation, warm-up) when there are enough to measure steady state.
