@@ -45,6 +45,18 @@ def test_mesh_and_size_parsing():
         parse_bytes("lots")
 
 
+def test_fsdp_shard_sizes_follow_torch_chunk():
+    from hybrid2d.profiling.estimate import fsdp_shard
+
+    # 5 rows over 4 ranks: chunks of ceil(5/4)=2 rows -> 2, 2, 1, 0 real rows, 2 stored.
+    assert [fsdp_shard((5, 3), 4, r) for r in range(4)] == [(6, 6), (6, 6), (6, 3), (6, 0)]
+    for rows, ws in ((688, 3), (4096, 3), (7, 8)):
+        chunks = torch.chunk(torch.empty(rows), ws)
+        for r in range(ws):
+            real = chunks[r].numel() if r < len(chunks) else 0
+            assert fsdp_shard((rows,), ws, r) == (chunks[0].numel(), real)
+
+
 def test_tracker_counts_storages_views_and_resizes():
     model = nn.Linear(4, 4)
     with MemoryTracker(model) as t:
@@ -259,6 +271,24 @@ def test_simulated_2x2_matches_real_4_process_run(tmp_path_factory):
         assert sim["world_size"] == 4 and sim["skip_compute"]
         for key in ("parameters", "gradients", "optimizer", "activations", "peak"):
             assert rel(s[key], m[key]) <= 0.10, (rank, key, s[key], m[key])
+
+
+@pytest.mark.slow
+def test_estimate_is_exact_with_uneven_fsdp_shards():
+    """dp_shard=3 divides none of llama-debug's dims (256, 688, 4096): FSDP2 pads every shard,
+    and the last rank's unpadded optimizer state is smaller. Simulated ranks 0 and 2 of 3x2."""
+    from hybrid2d import recipes
+    from hybrid2d.profiling.simulate import run_subprocess
+
+    cfg = recipes.get("llama-debug")
+    cfg.train.global_batch = 6
+    got = {}
+    for rank in (0, 5):
+        sim = run_subprocess(cfg, (1, 3, 2), rank=rank, target="cpu", timeout=600)["memory"]
+        est = estimate(cfg, MeshShape(1, 3, 2), rank, "cpu")
+        got[rank] = (est.parameters, est.gradients, est.optimizer)
+        assert got[rank] == (sim["parameters"], sim["gradients"], sim["optimizer"]), rank
+    assert got[0][:2] == got[5][:2] and got[5][2] < got[0][2]
 
 
 @pytest.mark.slow

@@ -167,6 +167,12 @@ def run(args, rest: list[str]) -> int:
     entries: list[Entry] = []
     entry_meshes: list[MeshShape] = []
     notes: list[str] = []
+    if cfg.parallel.compile:
+        notes.append(
+            "parallel.compile is on: estimate and simulation describe eager execution; "
+            "compiled blocks usually keep fewer activations"
+        )
+        print("note: " + notes[-1])
     results = []
     for mesh in meshes:
         est = estimate(cfg, mesh, 0, target)

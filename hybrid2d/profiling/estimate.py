@@ -276,8 +276,10 @@ def estimate(cfg: JobConfig, mesh: MeshShape, rank: int = 0, target: str = "cuda
         + Nl * D * c
         + N * D * c
         + inputs,
-        # The vocab-parallel embedding's backward builds a gradient for the whole vocabulary.
-        "end of backward": vocab * D * c + N * D * c,
+        # The embedding's gradient: with tp > 1 the vocab-parallel embedding's backward builds
+        # it for the whole vocabulary and keeps this rank's rows as the gathered weight's
+        # gradient (counted as communication below); with tp == 1 it is built as activation.
+        "end of backward": (vocab * D * c if tp == 1 else 0) + N * D * c,
         "optimizer": 2 * biggest_local * 4,
     }
     terms.update(
@@ -305,7 +307,7 @@ def estimate(cfg: JobConfig, mesh: MeshShape, rank: int = 0, target: str = "cuda
         "end of forward": root + kept + 2 * last,
         "loss": root + kept + last,
         "last block backward": root + kept + lm_head_gathered + 2 * unit,
-        "end of backward": root + lm_head_gathered,
+        "end of backward": root + lm_head_gathered + unit + (vocab * D * c if tp > 1 else 0),
         "optimizer": 0,
     }
     comm_peak = root + kept + lm_head_gathered + 3 * unit + unit * 4 // c

@@ -112,6 +112,7 @@ def prepare_config(cfg: JobConfig, mesh: tuple[int, int, int], target: str) -> J
     cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.tp = mesh
     if cfg.parallel.mixed_precision == "auto":  # resolve for the target, not for this CPU
         cfg.parallel.mixed_precision = "bf16" if target == "cuda" else "fp32"
+    cfg.parallel.compile = False  # eager: the memory model and the tracker assume it
     cfg.checkpoint.init_from = ""
     cfg.checkpoint.resume = ""
     cfg.train.device = "cpu"
