@@ -30,6 +30,7 @@ from hybrid2d.metrics import MetricsWriter, flops_per_token, peak_memory_bytes
 from hybrid2d.models.llama import Llama
 from hybrid2d.optim import build_optimizer, build_scheduler, clip_grad_norm
 from hybrid2d.parallel import parallelize
+from hybrid2d.preemption import Preemption
 from hybrid2d.profiling.profiler import MemoryProfiler
 from hybrid2d.run_dir import create_run_dir, release_locks
 
@@ -214,6 +215,7 @@ def _train(cfg: JobConfig, mesh: Mesh) -> dict:
         ckpt.load(resume_from)
     writer = MetricsWriter(run_dir if main else None, cfg.metrics.tensorboard)
     memory = MemoryProfiler(cfg, trainer, run_dir)  # --profile.memory / --profile.snapshot
+    preemption = Preemption(mesh.device)  # SIGTERM/SIGUSR1: save at this step and stop
     bar = _progress(cfg.train.steps, cfg.metrics.progress_bar)
     tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
     fpt = flops_per_token(cfg.model, cfg.train.seq_len)
@@ -248,7 +250,15 @@ def _train(cfg: JobConfig, mesh: Mesh) -> dict:
             ckpt.maybe_save(trainer.step)
             if trainer.step == cfg.checkpoint.stop_after:
                 break
+            if preemption.requested():
+                ckpt.ensure_saved(trainer.step)
+                print0(
+                    f"{preemption.signal_name or 'a signal on another rank'}: saved a checkpoint "
+                    f"at step {trainer.step} and stopped; relaunch with --checkpoint.resume auto"
+                )
+                break
     finally:
+        preemption.close()
         ckpt.close()  # waits for an async save still being written
         memory.close()
         if bar is not None:
@@ -273,6 +283,7 @@ def _train(cfg: JobConfig, mesh: Mesh) -> dict:
         "run_dir": run_dir,
         "resumed_from": None if resume_from is None else str(resume_from),
         "checkpoints": ckpt.saved,
+        "preempted": preemption.signal_name is not None,
     }
     if main:
         with open(os.path.join(run_dir, "summary.json"), "w") as f:

@@ -79,3 +79,34 @@ def test_restart_resumes_and_matches_uninterrupted(tmp_path):
     assert got["resumed_from"] is not None and got["steps"] == STEPS
     assert got["last_loss"] == pytest.approx(expected["last_loss"], rel=1e-6)
     assert got["losses"] == pytest.approx(expected["losses"][-len(got["losses"]) :], rel=1e-6)
+
+
+def test_sigterm_saves_current_step_and_next_launch_resumes(tmp_path):
+    """Preemption: SIGTERM to every rank (as SLURM does) -> checkpoint at that step, exit 0."""
+    run_dir = tmp_path / "preempted"
+    job = launch(tmp_path, run_dir, restarts=0)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "checkpoints" / "latest").exists():  # past step 5
+            assert job.poll() is None, job.communicate()[1][-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        for rank in (0, 1):
+            os.kill(_rank_pid(job.pid, rank=rank), signal.SIGTERM)
+        out, err = job.communicate(timeout=300)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, err[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    stopped = summary["steps"]
+    assert summary["preempted"] and 5 <= stopped < STEPS, summary
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step-{stopped:07d}"
+    assert f"saved a checkpoint at step {stopped}" in out
+
+    job = launch(tmp_path, run_dir, restarts=0)
+    _, err = job.communicate(timeout=600)
+    assert job.returncode == 0, err[-4000:]
+    resumed = json.loads((run_dir / "summary.json").read_text())
+    assert resumed["resumed_from"].endswith(f"step-{stopped:07d}")
+    assert resumed["steps"] == STEPS and len(resumed["losses"]) == STEPS - stopped

@@ -244,6 +244,11 @@ class Checkpointer:
         if self.due(step) and step != self._last_saved_step:
             self.save(step)
 
+    def ensure_saved(self, step: int) -> None:
+        """Save `step` unless that was just done (preemption: the state must be on disk)."""
+        if step != self._last_saved_step:
+            self.save(step)
+
     def save(self, step: int) -> None:
         """Write the state at `step`; returns once written (sync) or staged in memory (async)."""
         self.wait()

@@ -1,0 +1,41 @@
+"""Preemption: SIGTERM (or SIGUSR1, which SLURM can send ahead of time with --signal) asks the
+run to save a checkpoint at the current step and exit cleanly.
+
+Signals reach ranks at slightly different moments, so the handler only sets a flag; once per
+step the ranks agree (a one-element MAX all-reduce) and all stop after the same step.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import torch
+import torch.distributed as dist
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preemption:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.signal_name: str | None = None
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.signal_name = signal.Signals(signum).name
+
+    def requested(self) -> bool:
+        """Whether any rank got a signal (a collective: every rank calls it each step)."""
+        flag = torch.tensor([1.0 if self.signal_name else 0.0], device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def close(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
