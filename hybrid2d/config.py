@@ -72,6 +72,9 @@ class ParallelConfig:
     fused_projections: bool = True
     # Sequence-parallel norms on plain local tensors instead of DTensors (fewer dispatches).
     local_norms: bool = True
+    # Blocks gather / reduce-scatter the sequence with plain collectives instead of DTensor
+    # redistributions (implies fused projections and local norms inside blocks).
+    direct_sp_comm: bool = True
     # Gradient accumulation: reduce-scatter once per step instead of once per micro batch, at
     # the cost of holding unsharded gradients between micro batches.
     defer_grad_sync: bool = False

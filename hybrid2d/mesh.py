@@ -107,6 +107,20 @@ def init_distributed(device_type: str, timeout_s: int) -> None:
     if "MASTER_ADDR" not in os.environ and world == 1:
         store = dist.HashStore()
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent keeps one store across --max_restarts attempts, and keys the previous
+        # attempt wrote (such as gloo's peer addresses) would be read as if current: give each
+        # attempt its own key space.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        agent_store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world,
+            is_master=False,
+            timeout=timeout,
+        )
+        store = dist.PrefixStore(f"hybrid2d/attempt_{attempt}", agent_store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     else:
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
 

@@ -22,7 +22,8 @@ def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
         {"params": decay, "weight_decay": t.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
+    # foreach: the default falls back to a per-tensor loop for DTensor parameters.
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, foreach=True)
 
 
 def lr_multiplier(step: int, t: TrainConfig) -> float:

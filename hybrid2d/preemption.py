@@ -1,5 +1,6 @@
 """Preemption: SIGTERM (or SIGUSR1, which SLURM can send ahead of time with --signal) asks the
-run to save a checkpoint at the current step and exit cleanly.
+run to save a checkpoint at the current step and exit cleanly. Under torchrun --max_restarts
+only SIGUSR1 does (see preemption_signals).
 
 Signals reach ranks at slightly different moments, so the handler only sets a flag; once per
 step the ranks agree (a one-element MAX all-reduce) and all stop after the same step.
@@ -7,13 +8,21 @@ step the ranks agree (a one-element MAX all-reduce) and all stop after the same 
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
 import torch
 import torch.distributed as dist
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+def preemption_signals() -> tuple[signal.Signals, ...]:
+    """SIGUSR1 always. SIGTERM too, unless the launcher restarts failed workers
+    (torchrun --max_restarts > 0): its agent stops the surviving ranks with SIGTERM after a
+    failure and restarts them, which must not be mistaken for a preemption."""
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0:
+        return (signal.SIGUSR1,)
+    return (signal.SIGTERM, signal.SIGUSR1)
 
 
 class Preemption:
@@ -22,7 +31,7 @@ class Preemption:
         self.signal_name: str | None = None
         self._previous = {}
         if threading.current_thread() is threading.main_thread():
-            for sig in SIGNALS:
+            for sig in preemption_signals():
                 self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:

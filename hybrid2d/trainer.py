@@ -30,6 +30,7 @@ from hybrid2d.metrics import MetricsWriter, flops_per_token, peak_memory_bytes
 from hybrid2d.models.llama import Llama
 from hybrid2d.optim import build_optimizer, build_scheduler, clip_grad_norm
 from hybrid2d.parallel import parallelize
+from hybrid2d.parallel.sequence_comm import vocab_parallel_cross_entropy
 from hybrid2d.preemption import Preemption
 from hybrid2d.profiling.profiler import MemoryProfiler
 from hybrid2d.run_dir import create_run_dir, release_locks
@@ -91,6 +92,12 @@ class Trainer:
         return loss_parallel() if self.mesh.tp > 1 else contextlib.nullcontext()
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float):
+        group = self.model.sp_group  # direct_sp_comm: local vocab-split logits
+        if group is not None:
+            logits = self.model(inputs).to_local()
+            loss = vocab_parallel_cross_entropy(logits, labels, group)
+            (loss * scale).backward()
+            return loss.detach()
         with self._loss_context():
             loss = cross_entropy(self.model(inputs), labels)
             (loss * scale).backward()

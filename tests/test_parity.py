@@ -64,5 +64,12 @@ def test_gradient_accumulation_matches_single_process(tmp_path, defer):
 def test_dtensor_norms_and_unfused_projections_match_single_process(tmp_path):
     """The plain DTensor path (SequenceParallel norms, separate q/k/v and gate/up) also holds."""
     ref = train_single_process(tiny_config("sgd", 0.5))
-    settings = ["--parallel.fused_projections", "false", "--parallel.local_norms", "false"]
+    settings = [
+        "--parallel.fused_projections",
+        "false",
+        "--parallel.local_norms",
+        "false",
+        "--parallel.direct_sp_comm",
+        "false",
+    ]
     assert_matches(run_parallel(tmp_path, 2, 2, "sgd", 0.5, settings=settings), ref)

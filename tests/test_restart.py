@@ -30,8 +30,11 @@ def launch(tmp_path, run_dir, restarts: int) -> subprocess.Popen:
         "2",
         "--max_restarts",
         str(restarts),
-        "--master_port",
-        str(free_port()),
+        # c10d rendezvous, as torchrun recommends for restarts: each attempt is a new round.
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        f"127.0.0.1:{free_port()}",
         "recipes/llama.py",
         *SMALL,
         "--data.cache_dir",

@@ -16,10 +16,15 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.utils.checkpoint import checkpoint
 
 from hybrid2d.config import ModelConfig
+from hybrid2d.parallel.sequence_comm import (
+    gather_sequence,
+    reduce_scatter_sequence,
+    vocab_parallel_embedding,
+)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -96,12 +101,17 @@ class Attention(nn.Module):
         self.head_dim = hd
         # One matmul for q, k and v instead of three (parallel.fused_projections).
         self.fused = False
+        # Set by apply_tp with parallel.direct_sp_comm: x arrives as a sequence shard and the
+        # block gathers / reduce-scatters it itself (parallel/sequence_comm.py).
+        self.sp_group = None
         self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=False)
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.sp_group is not None:
+            x = gather_sequence(x, self.sp_group)
         bsz, seq, _ = x.shape
         # -1 heads: under tensor parallelism these are this rank's heads only.
         if self.fused:
@@ -116,7 +126,10 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
         )
-        return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
+        out = out.transpose(1, 2).reshape(bsz, seq, -1)
+        if self.sp_group is not None:  # row-parallel o_proj by hand: local matmul, then sum
+            return reduce_scatter_sequence(F.linear(out, _local(self.o_proj.weight)), self.sp_group)
+        return self.o_proj(out)
 
 
 class MLP(nn.Module):
@@ -126,13 +139,21 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
         self.fused = False  # gate and up as one matmul (parallel.fused_projections)
+        self.sp_group = None  # as in Attention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sp_group is not None:
+            x = gather_sequence(x, self.sp_group)
         if self.fused:
             gate, up = fused_linear(x, (self.gate_proj, self.up_proj))
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        hidden = F.silu(gate) * up
+        if self.sp_group is not None:
+            return reduce_scatter_sequence(
+                F.linear(hidden, _local(self.down_proj.weight)), self.sp_group
+            )
+        return self.down_proj(hidden)
 
 
 class DecoderLayer(nn.Module):
@@ -173,6 +194,11 @@ class Llama(nn.Module):
         # Recompute each block's activations in backward instead of keeping them (see
         # parallel/activation_checkpoint.py).
         self.activation_checkpoint = False
+        # parallel.direct_sp_comm: the tp process group. Embedding and output projection then
+        # run on local vocabulary shards and forward returns [b, s, vocab/tp] local logits for
+        # parallel.sequence_comm.vocab_parallel_cross_entropy.
+        self.sp_group = None
+        self.sp_mesh = None
 
     def tie_weights(self) -> None:
         """Re-point lm_head at the embedding (after parallelisation replaced either)."""
@@ -186,7 +212,11 @@ class Llama(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.model.embed_tokens(tokens)
+        if self.sp_group is not None:
+            weight = _local(self.model.embed_tokens.weight)
+            h = vocab_parallel_embedding(tokens, weight, self.sp_group)
+        else:
+            h = self.model.embed_tokens(tokens)
         # Under sequence parallelism h is this rank's slice of the sequence, but attention sees
         # the whole sequence, so RoPE tables are sized from the tokens.
         cos, sin = self.rope(tokens.shape[1], h.dtype)
@@ -195,7 +225,12 @@ class Llama(nn.Module):
                 h = checkpoint(layer, h, cos, sin, use_reentrant=False)
             else:
                 h = layer(h, cos, sin)
-        return self.lm_head(self.model.norm(h))
+        h = self.model.norm(h)
+        if self.sp_group is not None:
+            logits = F.linear(gather_sequence(h, self.sp_group), _local(self.lm_head.weight))
+            # The same DTensor (sharded on the vocabulary) that the DTensor path returns.
+            return DTensor.from_local(logits, self.sp_mesh, [Shard(-1)], run_check=False)
+        return self.lm_head(h)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

@@ -16,9 +16,11 @@ from hybrid2d.parallel.tensor_parallel import apply_tp
 
 
 def parallelize(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig) -> nn.Module:
-    apply_tp(model, mesh.tp_mesh, pcfg.local_norms)
+    apply_tp(model, mesh.tp_mesh, pcfg.local_norms, pcfg.direct_sp_comm)
     for block in model.model.layers:
-        block.self_attn.fused = block.mlp.fused = pcfg.fused_projections
+        # Direct SP communication works on local shards, which is what the fused path uses.
+        fused = pcfg.fused_projections or pcfg.direct_sp_comm
+        block.self_attn.fused = block.mlp.fused = fused
     apply_ac(model, pcfg.activation_checkpoint)
     if pcfg.compile:
         for block in model.model.layers:

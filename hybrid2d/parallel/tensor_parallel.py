@@ -50,7 +50,22 @@ def llama_root_plan(local_norms: bool = False) -> dict[str, ParallelStyle]:
     }
 
 
-def llama_block_plan(local_norms: bool = False) -> dict[str, ParallelStyle]:
+def llama_block_plan(local_norms: bool = False, direct_sp_comm: bool = False):
+    """direct_sp_comm: the block gathers / reduce-scatters the sequence itself, so attention
+    and MLP get no PrepareModuleInput and o/down are only sharded (their forward is not called;
+    the block multiplies by the local weight shard)."""
+    if direct_sp_comm:
+        return {
+            "input_layernorm": LocalSequenceParallel(),
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(),
+            "post_attention_layernorm": LocalSequenceParallel(),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(),
+        }
     return {
         "input_layernorm": _norm_style(local_norms),
         # (hidden, cos, sin): gather the sequence of the hidden states; RoPE tables are local.
@@ -70,13 +85,19 @@ def llama_block_plan(local_norms: bool = False) -> dict[str, ParallelStyle]:
     }
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, local_norms: bool = False) -> None:
+def apply_tp(
+    model: nn.Module, tp_mesh: DeviceMesh, local_norms: bool = False, direct_sp_comm: bool = False
+) -> None:
     """Shard a `Llama` over the 1-D tp mesh in place (no-op for tp == 1)."""
     if tp_mesh.size() == 1:
         return
-    parallelize_module(model, tp_mesh, llama_root_plan(local_norms))
+    parallelize_module(model, tp_mesh, llama_root_plan(local_norms or direct_sp_comm))
     for block in model.model.layers:
-        parallelize_module(block, tp_mesh, llama_block_plan(local_norms))
+        parallelize_module(block, tp_mesh, llama_block_plan(local_norms, direct_sp_comm))
+        if direct_sp_comm:
+            block.self_attn.sp_group = block.mlp.sp_group = tp_mesh.get_group()
+    if direct_sp_comm:
+        model.sp_group, model.sp_mesh = tp_mesh.get_group(), tp_mesh
     # Tied embeddings: both styles shard the [vocab, dim] weight on dim 0, so one DTensor
     # parameter serves both after re-tying.
     model.tie_weights()

@@ -1,0 +1,115 @@
+"""Sequence-parallel collectives on plain tensors, with their autograd mirror images.
+
+The DTensor path does the same communication through PrepareModuleInput / RowwiseParallel
+redistributions; on small per-rank work (CPU, small models) their dispatch costs more than the
+collectives. With parallel.direct_sp_comm a block calls these two functions itself:
+gather the sequence before attention / MLP (its backward reduce-scatters the gradient), and
+reduce-scatter the row-parallel output back to sequence shards (its backward all-gathers).
+Functional collectives are used so that CommDebugMode sees them as TP traffic.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+
+
+def _gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    n = dist.get_world_size(group)
+    out = funcol.all_gather_tensor(x.contiguous(), 0, group).wait()  # [n*b, s/n, ...]
+    return out.unflatten(0, (n, x.shape[0])).movedim(0, 1).flatten(1, 2)  # [b, s, ...]
+
+
+def _reduce_scatter(y: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    n = dist.get_world_size(group)
+    chunks = y.unflatten(1, (n, y.shape[1] // n)).movedim(1, 0).flatten(0, 1)  # [n*b, s/n, ...]
+    return funcol.reduce_scatter_tensor(chunks.contiguous(), "sum", 0, group).wait()
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.group), None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, group):
+        ctx.group = group
+        return _reduce_scatter(y, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.group), None
+
+
+def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """[b, s/tp, ...] sequence shard -> [b, s, ...] on every tp rank."""
+    return _GatherSequence.apply(x, group)
+
+
+def reduce_scatter_sequence(y: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """[b, s, ...] partial sums -> this rank's [b, s/tp, ...] slice of their total."""
+    return _ReduceScatterSequence.apply(y, group)
+
+
+def vocab_parallel_embedding(
+    tokens: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup
+) -> torch.Tensor:
+    """Embedding with the vocabulary split over tp (weight: this rank's rows), returned as this
+    rank's sequence shard: each rank looks up the tokens it owns, the reduce-scatter sums the
+    rank contributions and splits the sequence in one collective."""
+    rows = weight.shape[0]
+    start = dist.get_group_rank(group, dist.get_rank()) * rows
+    local = tokens - start
+    outside = (local < 0) | (local >= rows)
+    emb = F.embedding(local.masked_fill(outside, 0), weight)
+    emb = emb.masked_fill(outside.unsqueeze(-1), 0.0)
+    return reduce_scatter_sequence(emb, group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross entropy of logits split on the vocabulary, without gathering them: three
+    all-reduces over [tokens] (max, sum of exp, target logit). Backward is local:
+    softmax - one_hot on this rank's vocabulary slice."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, group):
+        logits = logits.float()
+        vocab_local = logits.shape[-1]
+        start = dist.get_group_rank(group, dist.get_rank()) * vocab_local
+        row_max = funcol.all_reduce(logits.max(dim=-1).values, "max", group).wait()
+        shifted = logits - row_max.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = funcol.all_reduce(exp.sum(dim=-1), "sum", group).wait()
+        local = labels - start
+        owned = (local >= 0) & (local < vocab_local)
+        safe = local.masked_fill(~owned, 0)
+        target = shifted.gather(-1, safe.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
+        target = funcol.all_reduce(target, "sum", group).wait()
+        loss = (sum_exp.log() - target).mean()
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, safe, owned)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, safe, owned = ctx.saved_tensors
+        g = softmax
+        g.scatter_add_(-1, safe.unsqueeze(-1), -owned.unsqueeze(-1).to(g.dtype))
+        g.mul_(grad / safe.numel())
+        return g, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, group: dist.ProcessGroup
+) -> torch.Tensor:
+    """Mean token loss from [b, s, vocab/tp] local logits; the same value on every tp rank."""
+    return _VocabParallelCrossEntropy.apply(logits, labels, group)
