@@ -170,3 +170,20 @@ def is_main_process() -> bool:
 def print0(*args, file=sys.stdout) -> None:
     if is_main_process():
         print(*args, file=file, flush=True)
+
+
+def shutdown_distributed() -> None:
+    """Barrier, then destroy the process group.
+
+    Without the barrier a rank that tears gloo down while a peer still talks to it makes the
+    peer abort (SIGABRT) instead of exiting with its own status. If a peer is gone the barrier
+    fails and teardown is left to process exit.
+    """
+    if not dist.is_initialized():
+        return
+    try:
+        if dist.get_world_size() > 1:
+            dist.barrier()
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - a dead peer: nothing left to synchronise with
+        pass

@@ -24,6 +24,7 @@ from hybrid2d.mesh import (
     pick_device,
     print0,
     set_cpu_threads,
+    shutdown_distributed,
     world_from_env,
 )
 from hybrid2d.metrics import MetricsWriter, flops_per_token, peak_memory_bytes
@@ -197,8 +198,7 @@ def run(cfg: JobConfig, set_on_cli: frozenset[str] | set[str] = frozenset()) -> 
         return _train(cfg, build_mesh(device_type, dp_rep, dp_shard, tp))
     finally:
         release_locks()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown_distributed()
 
 
 def _train(cfg: JobConfig, mesh: Mesh) -> dict:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hybrid2d.config import JobConfig, ModelConfig, apply_overrides  # noqa: E402
+from hybrid2d.mesh import shutdown_distributed  # noqa: E402
 from hybrid2d.metrics import peak_rss_bytes  # noqa: E402
 
 
@@ -155,8 +156,7 @@ def main():
     if not dist.is_initialized() or dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump({"times": times, "losses": losses, "peak_rss": peaks, "comm": comm}, f)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":
