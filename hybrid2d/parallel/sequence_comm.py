@@ -18,14 +18,14 @@ import torch.nn.functional as F
 
 def _gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     n = dist.get_world_size(group)
-    out = funcol.all_gather_tensor(x.contiguous(), 0, group).wait()  # [n*b, s/n, ...]
+    out = funcol.all_gather_single(x.contiguous(), 0, group).wait()  # [n*b, s/n, ...]
     return out.unflatten(0, (n, x.shape[0])).movedim(0, 1).flatten(1, 2)  # [b, s, ...]
 
 
 def _reduce_scatter(y: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     n = dist.get_world_size(group)
     chunks = y.unflatten(1, (n, y.shape[1] // n)).movedim(1, 0).flatten(0, 1)  # [n*b, s/n, ...]
-    return funcol.reduce_scatter_tensor(chunks.contiguous(), "sum", 0, group).wait()
+    return funcol.reduce_scatter_single(chunks.contiguous(), "sum", 0, group).wait()
 
 
 class _GatherSequence(torch.autograd.Function):
