@@ -17,6 +17,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def launcher_env(**extra: str) -> dict:
+    """This environment for starting a launcher or a one-process run: one thread per process
+    and none of the rank variables a surrounding launch may have set."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", **extra)
+    for var in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ):
+        env.pop(var, None)
+    return env
+
+
 def rank_env(rank: int, world: int, port: int, local_world: int | None = None) -> dict:
     local_world = local_world or world
     env = dict(os.environ)

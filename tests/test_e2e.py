@@ -1,13 +1,12 @@
 """The README's main job, shortened: accelerate launch with the CPU 2x2 config."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.launch import REPO, free_port
+from tests.launch import REPO, free_port, launcher_env
 
 pytestmark = pytest.mark.slow
 
@@ -23,9 +22,7 @@ SCALARS = {
 
 def test_accelerate_launch_2x2_trains(tmp_path):
     run_dir = tmp_path / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
+    env = launcher_env()
     proc = subprocess.run(
         [
             sys.executable,

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.launch import REPO, free_port
+from tests.launch import REPO, free_port, launcher_env
 
 SMALL = [
     "--model.dim",
@@ -34,9 +34,7 @@ SMALL = [
 
 
 def train(tmp_path, *args, world=1, timeout=300):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
-        env.pop(var, None)
+    env = launcher_env()
     cmd = [
         sys.executable,
         "recipes/llama.py",
@@ -168,9 +166,7 @@ def test_second_run_in_same_dir_is_refused(tmp_path):
 @pytest.mark.slow
 def test_killed_rank_ends_job_quickly_naming_it(tmp_path):
     """kill -9 one rank mid-training: the launcher exits non-zero, naming the rank, in < 60 s."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
-        env.pop(var, None)
+    env = launcher_env()
     run_dir = tmp_path / "run"
     cmd = [
         sys.executable,

@@ -1,13 +1,12 @@
 """`--checkpoint.init_from hf:DIR` takes the model shape from DIR's config.json."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.launch import REPO
+from tests.launch import REPO, launcher_env
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,9 +28,7 @@ def hf_dir(tmp_path_factory):
 
 
 def train(tmp_path, *args):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
-        env.pop(var, None)
+    env = launcher_env()
     cmd = [
         sys.executable,
         "recipes/llama.py",

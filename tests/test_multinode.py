@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from tests.launch import REPO, check_ok, free_port, run_ranks
+from tests.launch import REPO, check_ok, free_port, launcher_env, run_ranks
 from tests.reference import tiny_config, train_single_process
 from tests.test_parity import assert_matches
 
@@ -26,14 +26,9 @@ def two_node_launch(tmp_path, launcher: str, dp: int, tp: int, dp_replicate: int
         "0.5",
         str(dp_replicate),
     ]
-    env = dict(
-        os.environ,
-        CHECK_NODES="1",
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    env = launcher_env(
+        CHECK_NODES="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
     )
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
-        env.pop(var, None)
     nodes = []
     for node in (0, 1):
         if launcher == "accelerate":

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.launch import REPO, free_port
+from tests.launch import REPO, free_port, launcher_env
 from tests.test_faults import SMALL, _rank_pid
 
 pytestmark = pytest.mark.slow
@@ -19,9 +19,7 @@ STEPS = 20
 
 
 def launch(tmp_path, run_dir, restarts: int) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
-        env.pop(var, None)
+    env = launcher_env()
     cmd = [
         sys.executable,
         "-m",
