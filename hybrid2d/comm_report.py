@@ -14,6 +14,7 @@ import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
 from hybrid2d.config import ModelConfig
+from hybrid2d.parallel.shm_comm import group_size
 
 # op name (as CommDebugMode reports it) -> (kind, which args hold the full buffer)
 _KIND = {
@@ -25,6 +26,12 @@ _KIND = {
     "c10d._reduce_scatter_base_": "fsdp_reduce_scatter",
     "c10d.reduce_scatter_tensor_coalesced_": "fsdp_reduce_scatter",
     "c10d.allreduce_": "scalar_all_reduce",
+    # parallel.shm_collectives (parallel/shm_comm.py): the same collectives through shared memory
+    "hybrid2d.shm_all_gather": "tp_all_gather",
+    "hybrid2d.shm_reduce_scatter": "tp_reduce_scatter",
+    "hybrid2d.shm_all_reduce": "tp_all_reduce",
+    "hybrid2d.shm_all_gather_into": "fsdp_all_gather",
+    "hybrid2d.shm_reduce_scatter_into": "fsdp_reduce_scatter",
 }
 
 
@@ -39,8 +46,14 @@ def _payload(name: str, args) -> int:
         return _nbytes(args[0]) * int(args[1])  # (input shard, group_size, group)
     if name in ("c10d._allgather_base_", "c10d.allgather_into_tensor_coalesced_"):
         return _nbytes(args[0])  # (output, input, ...)
-    if name in ("c10d._reduce_scatter_base_", "c10d.reduce_scatter_tensor_coalesced_"):
+    if name in (
+        "c10d._reduce_scatter_base_",
+        "c10d.reduce_scatter_tensor_coalesced_",
+        "hybrid2d.shm_reduce_scatter_into",
+    ):
         return _nbytes(args[1])
+    if name == "hybrid2d.shm_all_gather":  # (input shard, dim, group name)
+        return _nbytes(args[0]) * group_size(args[2])
     return _nbytes(args[0])
 
 

@@ -75,6 +75,9 @@ class ParallelConfig:
     # Blocks gather / reduce-scatter the sequence with plain collectives instead of DTensor
     # redistributions (implies fused projections and local norms inside blocks).
     direct_sp_comm: bool = True
+    # CPU only: tp and FSDP collectives among ranks of one host through shared memory instead
+    # of gloo's loopback TCP. auto: where possible; on: an error where not possible; off.
+    shm_collectives: str = "auto"
     # Gradient accumulation: reduce-scatter once per step instead of once per micro batch, at
     # the cost of holding unsharded gradients between micro batches.
     defer_grad_sync: bool = False
@@ -252,6 +255,10 @@ class JobConfig:
             raise ConfigError(
                 f"parallel.activation_checkpoint={p.activation_checkpoint!r} is not one of "
                 "none, full"
+            )
+        if p.shm_collectives not in ("auto", "on", "off"):
+            raise ConfigError(
+                f"parallel.shm_collectives={p.shm_collectives!r} is not one of auto, on, off"
             )
         if t.lr <= 0:
             raise ConfigError(f"train.lr={t.lr} must be > 0")

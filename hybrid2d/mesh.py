@@ -179,6 +179,9 @@ def shutdown_distributed() -> None:
     peer abort (SIGABRT) instead of exiting with its own status. If a peer is gone the barrier
     fails and teardown is left to process exit.
     """
+    from hybrid2d.parallel.shm_comm import disable_all
+
+    disable_all()
     if not dist.is_initialized():
         return
     try:

@@ -32,6 +32,7 @@ from hybrid2d.models.llama import Llama
 from hybrid2d.optim import build_optimizer, build_scheduler, clip_grad_norm
 from hybrid2d.parallel import parallelize
 from hybrid2d.parallel.sequence_comm import vocab_parallel_cross_entropy
+from hybrid2d.parallel.shm_comm import apply_shm_collectives
 from hybrid2d.preemption import Preemption
 from hybrid2d.profiling.profiler import MemoryProfiler
 from hybrid2d.run_dir import create_run_dir, release_locks
@@ -51,6 +52,16 @@ def build_model(cfg: JobConfig, mesh: Mesh) -> Llama:
         print0(describe_load(load_pretrained(model, cfg.checkpoint.init_from)))
     else:
         model.init_weights(cfg.train.seed)
+    micro = cfg.train.micro_batch or max(1, cfg.train.global_batch // mesh.dp)
+    line = apply_shm_collectives(
+        model,
+        mesh,
+        cfg.parallel.shm_collectives,
+        activation_bytes=micro * cfg.train.seq_len * cfg.model.dim * 4,
+        timeout_s=cfg.parallel.timeout_s,
+    )
+    if line:
+        print0(line)
     return model
 
 

@@ -62,6 +62,7 @@ def error_line(proc) -> str:
         (["--train.steps", "five"], 1, "--train.steps"),
         (["--recipe", "llama3-8b"], 1, "llama3.1-8b"),
         (["--data.path", "/nonexistent/corpus.txt", "--train.steps", "1"], 1, "data.path"),
+        (["--parallel.shm_collectives", "yes"], 1, "parallel.shm_collectives='yes'"),
     ],
 )
 def test_bad_setting_is_one_line(args, world, expect):

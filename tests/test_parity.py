@@ -73,3 +73,21 @@ def test_dtensor_norms_and_unfused_projections_match_single_process(tmp_path):
         "false",
     ]
     assert_matches(run_parallel(tmp_path, 2, 2, "sgd", 0.5, settings=settings), ref)
+
+
+@pytest.mark.parametrize("shm", ["on", "off"], ids=["shared-memory", "gloo"])
+def test_collectives_through_shared_memory_or_gloo_match_single_process(tmp_path, shm):
+    """parallel.shm_collectives=on must use shared memory (an error otherwise) for tp and FSDP;
+    off keeps every collective on gloo. Both train like one process."""
+    ref = train_single_process(tiny_config("adamw", 1.0))
+    settings = ["--parallel.shm_collectives", shm]
+    got = run_parallel(tmp_path, 2, 2, "adamw", 1.0, settings=settings)
+    assert_matches(got, ref)
+    if shm == "on":
+        # Per step of the 2-block model: tp 8 per block + 2 embedding + 2 output (sequence),
+        # 3 loss, 5 norm gradients; FSDP 3 units: 3 + 1 (re-gathered block) all-gathers and 3
+        # reduce-scatters.
+        steps = len(ref["losses"])
+        assert got["shm"] == {"tp": 28 * steps, "dp": 7 * steps}, got["shm"]
+    else:
+        assert got["shm"] == {}

@@ -16,15 +16,17 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils.checkpoint import checkpoint
 
 from hybrid2d.config import ModelConfig
 from hybrid2d.parallel.sequence_comm import (
     gather_sequence,
     reduce_scatter_sequence,
+    sum_grad_over_group,
     vocab_parallel_embedding,
 )
+from hybrid2d.parallel.shm_comm import transport_for
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -66,7 +68,13 @@ class RMSNorm(nn.Module):
         if isinstance(weight, DTensor) and not isinstance(x, DTensor):
             # Sequence parallel on plain tensors (parallel.local_norms): this rank normalises its
             # slice of the sequence, so its weight gradient is a partial sum over tp ranks.
-            weight = weight.to_local(grad_placements=[Partial()] * weight.device_mesh.ndim)
+            mesh = weight.device_mesh
+            group = mesh.get_group(mesh.ndim - 1)
+            if transport_for(group) is not None:  # summed by shared memory in backward
+                weight = weight.to_local(grad_placements=[Replicate()] * mesh.ndim)
+                weight = sum_grad_over_group(weight, group)
+            else:
+                weight = weight.to_local(grad_placements=[Partial()] * mesh.ndim)
         return weight * x32.to(dtype)
 
     def reset_parameters(self) -> None:

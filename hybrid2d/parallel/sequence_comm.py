@@ -15,17 +15,52 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
+from hybrid2d.parallel.shm_comm import transport_for
+
 
 def _gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    shm = transport_for(group)
+    if shm is not None and shm.fits(x):  # parallel.shm_collectives: no layout copies either
+        return torch.ops.hybrid2d.shm_all_gather(x.contiguous(), 1, group.group_name)
     n = dist.get_world_size(group)
     out = funcol.all_gather_single(x.contiguous(), 0, group).wait()  # [n*b, s/n, ...]
     return out.unflatten(0, (n, x.shape[0])).movedim(0, 1).flatten(1, 2)  # [b, s, ...]
 
 
 def _reduce_scatter(y: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    shm = transport_for(group)
+    if shm is not None and shm.fits(y):
+        return torch.ops.hybrid2d.shm_reduce_scatter(y.contiguous(), 1, group.group_name)
     n = dist.get_world_size(group)
     chunks = y.unflatten(1, (n, y.shape[1] // n)).movedim(1, 0).flatten(0, 1)  # [n*b, s/n, ...]
     return funcol.reduce_scatter_single(chunks.contiguous(), "sum", 0, group).wait()
+
+
+def all_reduce(x: torch.Tensor, op: str, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum or max over the group (not differentiable)."""
+    shm = transport_for(group)
+    if shm is not None and shm.fits(x):
+        return torch.ops.hybrid2d.shm_all_reduce(x.contiguous(), op, group.group_name)
+    return funcol.all_reduce(x, op, group).wait()
+
+
+class _SumGradOverGroup(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the group. For a replicated weight
+    used on a slice of the data (sequence-parallel norms): each rank's gradient is a partial
+    sum of the weight's gradient."""
+
+    @staticmethod
+    def forward(ctx, w, group):
+        ctx.group = group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad, "sum", ctx.group), None
+
+
+def sum_grad_over_group(w: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return _SumGradOverGroup.apply(w, group)
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -85,15 +120,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits = logits.float()
         vocab_local = logits.shape[-1]
         start = dist.get_group_rank(group, dist.get_rank()) * vocab_local
-        row_max = funcol.all_reduce(logits.max(dim=-1).values, "max", group).wait()
+        row_max = all_reduce(logits.max(dim=-1).values, "max", group)
         shifted = logits - row_max.unsqueeze(-1)
         exp = shifted.exp()
-        sum_exp = funcol.all_reduce(exp.sum(dim=-1), "sum", group).wait()
+        sum_exp = all_reduce(exp.sum(dim=-1), "sum", group)
         local = labels - start
         owned = (local >= 0) & (local < vocab_local)
         safe = local.masked_fill(~owned, 0)
         target = shifted.gather(-1, safe.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
-        target = funcol.all_reduce(target, "sum", group).wait()
+        target = all_reduce(target, "sum", group)
         loss = (sum_exp.log() - target).mean()
         softmax = exp.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, safe, owned)

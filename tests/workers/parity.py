@@ -57,8 +57,15 @@ def main():
     for name, p in trainer.model.named_parameters():
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         params[name] = full.detach().clone()
+    from hybrid2d.parallel import shm_comm
+
+    # Collectives served by shared memory, per group kind (parallel.shm_collectives).
+    shm = {
+        ("tp" if t.group is mesh.tp_mesh.get_group() else "dp"): t.generation
+        for t in shm_comm._TRANSPORTS.values()
+    }
     if dist.get_rank() == 0:
-        torch.save({"losses": losses, "norms": norms, "params": params}, out)
+        torch.save({"losses": losses, "norms": norms, "params": params, "shm": shm}, out)
     dist.destroy_process_group()
 
 
