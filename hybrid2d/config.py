@@ -64,9 +64,12 @@ class ParallelConfig:
     tp: int = 1
     # FSDP2 reshard_after_forward for blocks (the root is never resharded after forward).
     reshard_after_forward: bool = True
+    # FSDP2 explicit prefetch: all-gather this many blocks ahead (0: FSDP2's implicit default).
+    fsdp_prefetch: int = 0
     # "auto": bf16 params with fp32 reduce on CUDA, fp32 on CPU.
     mixed_precision: str = "auto"
-    activation_checkpoint: str = "none"  # none | full
+    # none | full (recompute whole blocks) | selective (recompute only elementwise ops)
+    activation_checkpoint: str = "none"
     compile: bool = False
     # q/k/v and gate/up as one local matmul each (same parameters, same HF names).
     fused_projections: bool = True
@@ -251,11 +254,13 @@ class JobConfig:
             raise ConfigError(
                 f"parallel.mixed_precision={p.mixed_precision!r} is not one of auto, bf16, fp32"
             )
-        if p.activation_checkpoint not in ("none", "full"):
+        if p.activation_checkpoint not in ("none", "full", "selective"):
             raise ConfigError(
                 f"parallel.activation_checkpoint={p.activation_checkpoint!r} is not one of "
-                "none, full"
+                "none, full, selective"
             )
+        if p.fsdp_prefetch < 0:
+            raise ConfigError(f"parallel.fsdp_prefetch={p.fsdp_prefetch} must be >= 0")
         if p.shm_collectives not in ("auto", "on", "off"):
             raise ConfigError(
                 f"parallel.shm_collectives={p.shm_collectives!r} is not one of auto, on, off"

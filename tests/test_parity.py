@@ -78,9 +78,12 @@ def test_dtensor_norms_and_unfused_projections_match_single_process(tmp_path):
 @pytest.mark.parametrize("shm", ["on", "off"], ids=["shared-memory", "gloo"])
 def test_collectives_through_shared_memory_or_gloo_match_single_process(tmp_path, shm):
     """parallel.shm_collectives=on must use shared memory (an error otherwise) for tp and FSDP;
-    off keeps every collective on gloo. Both train like one process."""
+    off keeps every collective on gloo (here with explicit FSDP prefetching, which only
+    reorders gloo's asynchronous all-gathers). Both train like one process."""
     ref = train_single_process(tiny_config("adamw", 1.0))
     settings = ["--parallel.shm_collectives", shm]
+    if shm == "off":
+        settings += ["--parallel.fsdp_prefetch", "2"]
     got = run_parallel(tmp_path, 2, 2, "adamw", 1.0, settings=settings)
     assert_matches(got, ref)
     if shm == "on":
@@ -91,3 +94,17 @@ def test_collectives_through_shared_memory_or_gloo_match_single_process(tmp_path
         assert got["shm"] == {"tp": 28 * steps, "dp": 7 * steps}, got["shm"]
     else:
         assert got["shm"] == {}
+
+
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_activation_checkpointing_matches_single_process(tmp_path, ac):
+    """full recomputes blocks, communication included: 3 more tp collectives per block (the
+    recomputation stops before the block's last reduce-scatter, whose output backward does not
+    need). selective keeps matmul, attention and collective outputs, so backward communicates
+    no more than without checkpointing."""
+    ref = train_single_process(tiny_config("sgd", 0.5))
+    settings = ["--parallel.activation_checkpoint", ac, "--parallel.shm_collectives", "on"]
+    got = run_parallel(tmp_path, 2, 2, "sgd", 0.5, settings=settings)
+    assert_matches(got, ref)
+    per_step = {"full": 28 + 2 * 3, "selective": 28}[ac]
+    assert got["shm"]["tp"] == per_step * len(ref["losses"])

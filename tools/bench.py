@@ -134,8 +134,9 @@ def kinds_to_run(args) -> dict[str, tuple[str, list[str]]]:
     if not args.levers_only:
         kinds["transformers"] = ("transformers", [])
         kinds["single"] = ("single", [])
-    for lever in args.lever:
-        kinds[f"hybrid2d + {lever}"] = ("hybrid2d", base + ["--set", lever])
+    for lever in args.lever:  # "a=1,b=2": several settings in one run
+        settings = [a for s in lever.split(",") for a in ("--set", s.strip())]
+        kinds[f"hybrid2d + {lever}"] = ("hybrid2d", base + settings)
     return kinds
 
 
@@ -229,7 +230,7 @@ def main(argv=None) -> int:
         "--lever",
         action="append",
         default=[],
-        help="also run hybrid2d with this one setting (repeatable), alternating",
+        help="also run hybrid2d with this setting (repeatable; a=1,b=2 for several at once)",
     )
     p.add_argument(
         "--levers-only",

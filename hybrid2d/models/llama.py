@@ -17,9 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from hybrid2d.config import ModelConfig
+from hybrid2d.parallel.activation_checkpoint import output_not_kept, selective_context
 from hybrid2d.parallel.sequence_comm import (
     gather_sequence,
     reduce_scatter_sequence,
@@ -136,8 +137,11 @@ class Attention(nn.Module):
         )
         out = out.transpose(1, 2).reshape(bsz, seq, -1)
         if self.sp_group is not None:  # row-parallel o_proj by hand: local matmul, then sum
-            return reduce_scatter_sequence(F.linear(out, _local(self.o_proj.weight)), self.sp_group)
-        return self.o_proj(out)
+            with output_not_kept():
+                partial = F.linear(out, _local(self.o_proj.weight))
+            return reduce_scatter_sequence(partial, self.sp_group)
+        with output_not_kept():
+            return self.o_proj(out)
 
 
 class MLP(nn.Module):
@@ -158,10 +162,11 @@ class MLP(nn.Module):
             gate, up = self.gate_proj(x), self.up_proj(x)
         hidden = F.silu(gate) * up
         if self.sp_group is not None:
-            return reduce_scatter_sequence(
-                F.linear(hidden, _local(self.down_proj.weight)), self.sp_group
-            )
-        return self.down_proj(hidden)
+            with output_not_kept():
+                partial = F.linear(hidden, _local(self.down_proj.weight))
+            return reduce_scatter_sequence(partial, self.sp_group)
+        with output_not_kept():
+            return self.down_proj(hidden)
 
 
 class DecoderLayer(nn.Module):
@@ -201,7 +206,7 @@ class Llama(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         # Recompute each block's activations in backward instead of keeping them (see
         # parallel/activation_checkpoint.py).
-        self.activation_checkpoint = False
+        self.activation_checkpoint = "none"
         # parallel.direct_sp_comm: the tp process group. Embedding and output projection then
         # run on local vocabulary shards and forward returns [b, s, vocab/tp] local logits for
         # parallel.sequence_comm.vocab_parallel_cross_entropy.
@@ -228,9 +233,11 @@ class Llama(nn.Module):
         # Under sequence parallelism h is this rank's slice of the sequence, but attention sees
         # the whole sequence, so RoPE tables are sized from the tokens.
         cos, sin = self.rope(tokens.shape[1], h.dtype)
+        ac = self.activation_checkpoint
         for layer in self.model.layers:
-            if self.activation_checkpoint and torch.is_grad_enabled():
-                h = checkpoint(layer, h, cos, sin, use_reentrant=False)
+            if ac in ("full", "selective") and torch.is_grad_enabled():
+                context = selective_context if ac == "selective" else noop_context_fn
+                h = checkpoint(layer, h, cos, sin, use_reentrant=False, context_fn=context)
             else:
                 h = layer(h, cos, sin)
         h = self.model.norm(h)

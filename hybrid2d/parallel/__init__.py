@@ -30,6 +30,7 @@ def parallelize(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig) -> nn.Module
         mesh.fsdp_mesh,
         mixed_precision_policy(pcfg.mixed_precision, mesh.device.type),
         pcfg.reshard_after_forward,
+        pcfg.fsdp_prefetch,
     )
     return model
 

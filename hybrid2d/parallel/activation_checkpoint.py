@@ -1,13 +1,77 @@
-"""Activation checkpointing per transformer block.
+"""Activation checkpointing per transformer block: none, full, or selective.
 
 Done by the model's forward (torch.utils.checkpoint around each block) rather than by wrapping
 modules, so parameter names stay those of HF `LlamaForCausalLM`.
+
+full keeps only each block's input and recomputes the whole block in backward, communication
+included. selective keeps the outputs of the expensive ops (matmuls, attention, collectives)
+and recomputes the cheap elementwise ones (norms, RoPE, SiLU, residual adds): most of the
+activation memory of a block is in those elementwise intermediates, while nearly all of its
+compute and all of its communication is in the saved ops, so backward repeats no collective.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import threading
+
+import torch
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+MODES = ("none", "full", "selective")
+
+
+@functools.cache
+def _saved_ops() -> frozenset:
+    aten, funcol = torch.ops.aten, torch.ops._c10d_functional
+    import hybrid2d.parallel.shm_comm  # noqa: F401  (registers torch.ops.hybrid2d)
+
+    ops = [
+        aten.mm.default,
+        aten.addmm.default,
+        aten.bmm.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_cudnn_attention.default,
+        funcol.all_gather_into_tensor.default,
+        funcol.reduce_scatter_tensor.default,
+        funcol.all_reduce.default,
+        funcol.wait_tensor.default,
+        torch.ops.hybrid2d.shm_all_gather.default,
+        torch.ops.hybrid2d.shm_reduce_scatter.default,
+        torch.ops.hybrid2d.shm_all_reduce.default,
+    ]
+    return frozenset(ops)
+
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def output_not_kept():
+    """Around a matmul whose output only feeds a reduce-scatter (row-parallel o and down):
+    backward needs neither, and the reduce-scatter's output is kept, so selective checkpointing
+    recomputes this matmul rather than keeping a full-sequence [b, s, dim] tensor."""
+    _state.skip = True
+    try:
+        yield
+    finally:
+        _state.skip = False
+
+
+def _policy(ctx, op, *args, **kwargs):
+    if op in _saved_ops() and not getattr(_state, "skip", False):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_context():
+    """context_fn for torch.utils.checkpoint: save matmul, attention and collective outputs."""
+    return create_selective_checkpoint_contexts(_policy)
 
 
 def apply_ac(model: nn.Module, mode: str) -> None:
-    model.activation_checkpoint = mode == "full"
+    model.activation_checkpoint = mode

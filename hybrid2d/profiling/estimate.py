@@ -257,8 +257,24 @@ def estimate(cfg: JobConfig, mesh: MeshShape, rank: int = 0, target: str = "cuda
         )
     block = sum(terms.values())
     ckpt = Nl * D * c
-    full_ac = p.activation_checkpoint == "full"
-    blocks_saved = m.n_layers * (ckpt if full_ac else block)
+    if p.activation_checkpoint == "full":
+        kept = ckpt
+    elif p.activation_checkpoint == "selective":
+        # The block input plus the outputs of matmuls, attention and collectives (the two
+        # gathered inputs, q/k/v, attention output, gate and up, the two reduce-scatters; the o
+        # and down matmuls are recomputed, see activation_checkpoint.output_not_kept).
+        kept = (
+            ckpt
+            + terms["attention and MLP inputs"]
+            + terms["q, k, v"]
+            + terms["attention output"]
+            + terms["MLP"] // 2
+            + 2 * Nl * D * c
+        )
+    else:
+        kept = block
+    recomputes = kept != block
+    blocks_saved = m.n_layers * kept
     head = Nl * D * (4 + c) + Nl * 4 + N * D * c
     logits = N * (vocab // tp) * 4
     inputs = 2 * b * S * 8 + 2 * S * hd * c
@@ -271,7 +287,7 @@ def estimate(cfg: JobConfig, mesh: MeshShape, rank: int = 0, target: str = "cuda
         "end of forward": blocks_saved + Nl * D * (4 + c) + Nl * 4 + head_gather + inputs,
         "loss": blocks_saved + head + loss_k * logits + inputs,
         "last block backward": blocks_saved
-        + (block if full_ac else 0)
+        + (block - kept + ckpt if recomputes else 0)
         + ffn_grad
         + Nl * D * c
         + N * D * c
@@ -285,7 +301,7 @@ def estimate(cfg: JobConfig, mesh: MeshShape, rank: int = 0, target: str = "cuda
     terms.update(
         {
             "per block": block,
-            "per block kept (activation checkpointing)": ckpt if full_ac else block,
+            "per block kept (activation checkpointing)": kept,
             "blocks": blocks_saved,
             "final norm and lm_head input": head,
             "logits (fp32)": logits,
