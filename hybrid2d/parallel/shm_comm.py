@@ -106,9 +106,9 @@ class ShmTransport:
             dist.all_gather_object(errors, error, group=group)
         finally:
             # Every rank has mapped the file or failed: the names can go, the mappings stay.
+            # (Every rank unlinks: a rank with another /dev/shm may have created a stray file.)
             dist.barrier(group=group)
-            if self.rank == 0:
-                _unlink(path)
+            _unlink(path)
             _unlink(fifos[self.rank])
         failed = [e for e in errors if e]
         if failed:

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from hybrid2d.checkpoint.hf import last_load_report, model_config_from_hf
 from hybrid2d.config import JobConfig
-from hybrid2d.mesh import build_mesh, init_distributed
+from hybrid2d.mesh import build_mesh, init_distributed, shutdown_distributed
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -60,7 +60,7 @@ def main():
             del model
     if dist.get_rank() == 0:
         torch.save(results, out)
-    dist.destroy_process_group()
+    shutdown_distributed()  # barrier first: no rank tears gloo down under a peer
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from hybrid2d import recipes
 from hybrid2d.config import JobConfig
-from hybrid2d.mesh import build_mesh, init_distributed
+from hybrid2d.mesh import build_mesh, init_distributed, shutdown_distributed
 
 
 def config(dp: int, tp: int) -> JobConfig:
@@ -58,7 +58,7 @@ def main():
     torch_peak = sum(dev["Total"] for dev in peak.values())
     with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump({"steps": records, "torch_fsdp_mem_tracker_peak": torch_peak}, f)
-    dist.destroy_process_group()
+    shutdown_distributed()  # barrier first: no rank tears gloo down under a peer
 
 
 if __name__ == "__main__":

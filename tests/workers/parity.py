@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid2d.config import JobConfig, apply_overrides
-from hybrid2d.mesh import build_mesh, init_distributed
+from hybrid2d.mesh import build_mesh, init_distributed, shutdown_distributed
 from tests.reference import global_batches, tiny_config
 
 
@@ -66,7 +66,7 @@ def main():
     }
     if dist.get_rank() == 0:
         torch.save({"losses": losses, "norms": norms, "params": params, "shm": shm}, out)
-    dist.destroy_process_group()
+    shutdown_distributed()  # barrier first: no rank tears gloo down under a peer
 
 
 if __name__ == "__main__":

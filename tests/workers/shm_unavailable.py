@@ -12,7 +12,7 @@ import sys
 import torch.distributed as dist
 
 from hybrid2d.config import ConfigError
-from hybrid2d.mesh import build_mesh, init_distributed
+from hybrid2d.mesh import build_mesh, init_distributed, shutdown_distributed
 from hybrid2d.parallel import shm_comm
 from tests.reference import global_batches, tiny_config
 
@@ -41,7 +41,7 @@ def main():
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f)
-    dist.destroy_process_group()
+    shutdown_distributed()  # barrier first: no rank tears gloo down under a peer
 
 
 if __name__ == "__main__":
