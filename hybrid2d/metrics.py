@@ -24,10 +24,19 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x (non-embedding) params plus attention's score/value matmuls."""
-    params = m.num_params() - m.vocab_size * m.dim  # the embedding lookup costs no matmul
-    attention = 12 * m.n_layers * m.dim * seq_len / 2  # causal: half the scores
-    return 6 * params + attention
+    """Model FLOPs of one training token (forward + backward), the numerator of MFU.
+
+    A weight used in a matmul costs 2 FLOPs per token forward and 4 backward (input and weight
+    gradients). The weights that do matmuls are the block projections and the output head (also
+    when tied to the embedding: the lookup is free, the head matmul is not); norm weights do
+    none. Attention's scores and weighted sum cost 4 x seq x (heads x head_dim) per layer
+    forward, 12 with backward; causal masking leaves half of that useful.
+    """
+    hd = m.head_dim
+    projections = m.dim * hd * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * m.dim * m.ffn_dim
+    matmul_weights = m.n_layers * projections + m.vocab_size * m.dim
+    attention = 12 * m.n_layers * m.n_heads * hd * seq_len / 2
+    return 6 * matmul_weights + attention
 
 
 class MetricsWriter:
