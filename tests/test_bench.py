@@ -1,16 +1,28 @@
 """The benchmark's correctness parts: every kind starts from the same weights and batches."""
 
+import importlib.util
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
+import torch
 
+from hybrid2d.config import ModelConfig
+from hybrid2d.metrics import flops_per_token
 from tests.launch import REPO
 
-pytestmark = pytest.mark.slow
+
+def load_bench():
+    sys.path.insert(0, str(REPO / "tools"))  # bench.py imports its worker from its own folder
+    spec = importlib.util.spec_from_file_location("bench", REPO / "tools" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
 
 
+@pytest.mark.slow
 def test_kinds_start_from_the_same_weights(tmp_path):
     out = tmp_path / "bench.json"
     small = [
@@ -44,6 +56,8 @@ def test_kinds_start_from_the_same_weights(tmp_path):
             "--warmup",
             "0",
             *small,
+            "--peak-tflops",
+            "0.5",
             "--json",
             str(out),
         ],
@@ -58,3 +72,79 @@ def test_kinds_start_from_the_same_weights(tmp_path):
     first = {k: v["first_loss"] for k, v in kinds.items()}
     assert first["hybrid2d"] == pytest.approx(first["transformers"], abs=1e-4)
     assert first["hybrid2d"] == pytest.approx(first["single"], abs=1e-4)
+    # MFU: model FLOPs per token (checked against FlopCounterMode in test_flops) x tokens/s over
+    # the peak given; on CPU every kind has the whole host.
+    model = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=512)
+    for kind in kinds.values():
+        expected = flops_per_token(model, 32) * kind["tokens_per_s"] / 0.5e12
+        assert kind["mfu"] == pytest.approx(expected, rel=1e-9)
+    assert "| MFU |" in proc.stdout
+
+
+def synthetic_runs(step_s: dict[str, float]) -> dict:
+    return {
+        label: [{"times": [t, t], "losses": [1.0, 0.9], "peak_mem": [2**20]}]
+        for label, t in step_s.items()
+    }
+
+
+def test_efficiency_counts_gpus_on_cuda_and_the_shared_host_on_cpu():
+    bench = load_bench()
+    model = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=512)
+    runs = synthetic_runs({"hybrid2d": 0.3, "transformers": 0.6, "single": 1.0})
+    args = SimpleNamespace(global_batch=8, seq_len=16, warmup=0, world=4, peak_flops=1e12)
+    args.device = "cuda"  # 4 GPUs against 1: 1.0 / (4 x 0.3)
+    row = bench.summarize(runs, args, model)
+    assert row["kinds"]["hybrid2d"]["efficiency"] == pytest.approx(1.0 / (4 * 0.3))
+    assert row["kinds"]["transformers"]["efficiency"] == pytest.approx(1.0 / (4 * 0.6))
+    assert row["speedup_vs_transformers"] == pytest.approx(2.0)
+    tokens_per_s = 8 * 16 / 0.3
+    fpt = flops_per_token(model, 16)
+    assert row["kinds"]["hybrid2d"]["mfu"] == pytest.approx(fpt * tokens_per_s / 4e12)
+    assert row["kinds"]["single"]["mfu"] == pytest.approx(fpt * 8 * 16 / 1.0 / 1e12)
+    args.device = "cpu"  # the same cores for every kind: 1.0 / 0.3
+    row = bench.summarize(runs, args, model)
+    assert row["kinds"]["hybrid2d"]["efficiency"] == pytest.approx(1.0 / 0.3)
+    assert "| 2x2 | hybrid2d | 0.300 |" in bench.format_table({"2x2": row}, "cpu")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--mesh", "2by2"], "--mesh '2by2' is not DPxTP"),
+        (["--mesh", "3x2"], "train.global_batch=8 is not divisible by the data-parallel size 3"),
+        (["--warmup", "8"], "--warmup 8 must be at least 0 and below --steps 8"),
+        (["--lever", "train.micro_batch"], "'train.micro_batch' (--set / --lever) is not"),
+        (["--lever", "train.micro_batch=3"], "train.micro_batch=3 does not divide"),
+        (["--heads", "6"], "model.dim=256 is not divisible by model.n_heads=6"),
+        (["--peak-tflops", "-1"], "--peak-tflops -1.0 must be > 0"),
+    ],
+)
+def test_bad_input_is_one_line_before_any_run(argv, message):
+    proc = subprocess.run(
+        [sys.executable, "tools/bench.py", *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert message in lines[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a CPU-only machine")
+def test_cuda_without_a_gpu_is_refused():
+    proc = subprocess.run(
+        [sys.executable, "tools/bench.py", "--device", "cuda"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert (
+        proc.stderr.strip()
+        == "error: --device cuda, but no CUDA device is visible; use --device cpu"
+    )

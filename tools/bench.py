@@ -1,12 +1,17 @@
 """Throughput side by side: hybrid2d vs transformers-native distributed vs one process.
 
-    python tools/bench.py                     # CPU: 2x2 and 1x2 meshes, llama-debug-like shape
+    python tools/bench.py                     # 2x2 and 1x2 meshes, llama-debug-like shape
     python tools/bench.py --mesh 2x2 --repeats 3 --comm
+    python tools/bench.py --device cuda --mesh 2x4 --dim 2048 --layers 8 ...   # nccl, MFU
 
 Runs alternate (hybrid2d, transformers, single, hybrid2d, ...) so that drift of a shared machine
 hits every kind alike; each figure is the median over all measured steps of all repeats. All kinds
 start from the same weights and see the same global batches (the first-step losses are printed
-and compared). Parallel efficiency = single-process step time / distributed step time.
+and compared). Parallel efficiency = single-process throughput / distributed throughput per unit
+of hardware: on CPU every kind shares the host's cores (single step time / distributed step
+time); on CUDA the single process has one GPU and a mesh has dp x tp. MFU = model FLOPs per token
+x tokens/s over the peak FLOP/s of the hardware used (known GPUs' dense bf16 peak, or
+--peak-tflops).
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from bench_worker import bench_job  # noqa: E402  (this script's folder)
 
-from hybrid2d.config import ModelConfig  # noqa: E402
+from hybrid2d.config import ConfigError, ModelConfig  # noqa: E402
 from hybrid2d.metrics import flops_per_token  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_worker.py")
@@ -92,6 +98,8 @@ def launch(kind: str, dp: int, tp: int, args, model_dir: str, extra: list[str]) 
         str(args.seq_len),
         "--steps",
         str(args.steps),
+        "--device",
+        args.device,
         "--out",
         out,
         *extra,
@@ -152,6 +160,13 @@ def measure(dp: int, tp: int, args, model_dir: str) -> dict:
     return runs
 
 
+def devices_used(label: str, args) -> int:
+    """Units of hardware a kind runs on: GPUs on CUDA; on CPU every kind has the whole host."""
+    if args.device != "cuda":
+        return 1
+    return 1 if label == "single" else args.world
+
+
 def summarize(runs: dict, args, model: ModelConfig) -> dict:
     tokens = args.global_batch * args.seq_len
     row = {"kinds": {}}
@@ -164,45 +179,101 @@ def summarize(runs: dict, args, model: ModelConfig) -> dict:
             "step_s": step,
             "tokens_per_s": tokens / step,
             "first_loss": kind_runs[0]["losses"][0],
-            "peak_rss_mib": max(max(r["peak_rss"]) for r in kind_runs) / 2**20,
+            "peak_mem_mib": max(max(r["peak_mem"]) for r in kind_runs) / 2**20,
+            "devices": devices_used(label, args),
         }
     k = row["kinds"]
     if "single" in k:
+        per_device = k["single"]["tokens_per_s"] / k["single"]["devices"]
         for label in k:
-            k[label]["efficiency"] = k["single"]["step_s"] / k[label]["step_s"]
+            k[label]["efficiency"] = k[label]["tokens_per_s"] / k[label]["devices"] / per_device
     if "transformers" in k:
         row["speedup_vs_transformers"] = k["transformers"]["step_s"] / k["hybrid2d"]["step_s"]
     for label in k:
         k[label]["vs_hybrid2d_default"] = k["hybrid2d"]["step_s"] / k[label]["step_s"]
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name()
-        peak = next((v for n, v in PEAK_FLOPS.items() if n in name), None)
-        if peak:
-            fpt = flops_per_token(model, args.seq_len)
-            row["mfu_hybrid2d"] = fpt * k["hybrid2d"]["tokens_per_s"] / (peak * args.world)
+    if args.peak_flops:
+        fpt = flops_per_token(model, args.seq_len)
+        for r in k.values():
+            r["mfu"] = fpt * r["tokens_per_s"] / (args.peak_flops * r["devices"])
     return row
 
 
-def format_table(results: dict) -> str:
-    lines = [
-        "| mesh | kind | step (s) | tokens/s | parallel eff. | speed vs hybrid2d default "
-        "| peak RSS/rank (MiB) | first loss |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+def peak_flops(args) -> float | None:
+    """Peak FLOP/s of one device: --peak-tflops, else the known dense bf16 peak of the GPU."""
+    if args.peak_tflops:
+        return args.peak_tflops * 1e12
+    if args.device == "cuda":
+        name = torch.cuda.get_device_name()
+        return next((v for n, v in PEAK_FLOPS.items() if n in name), None)
+    return None
+
+
+def format_table(results: dict, device: str) -> str:
+    mfu = any("mfu" in r for row in results.values() for r in row["kinds"].values())
+    memory = "peak GPU memory/rank" if device == "cuda" else "peak RSS/rank"
+    header = ["mesh", "kind", "step (s)", "tokens/s", "parallel eff."]
+    header += ["MFU"] * mfu + ["speed vs hybrid2d default", f"{memory} (MiB)", "first loss"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for mesh, row in results.items():
         for label, r in row["kinds"].items():
             eff = f"{r['efficiency']:.0%}" if "efficiency" in r and label != "single" else ""
-            lines.append(
-                f"| {mesh} | {label} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {eff} | "
-                f"{r['vs_hybrid2d_default']:.2f}x | {r['peak_rss_mib']:.0f} | "
-                f"{r['first_loss']:.5f} |"
-            )
+            cells = [mesh, label, f"{r['step_s']:.3f}", f"{r['tokens_per_s']:,.0f}", eff]
+            cells += [f"{r['mfu']:.1%}"] * mfu
+            cells += [
+                f"{r['vs_hybrid2d_default']:.2f}x",
+                f"{r['peak_mem_mib']:.0f}",
+                f"{r['first_loss']:.5f}",
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
         if "speedup_vs_transformers" in row:
-            lines.append(
-                f"| {mesh} | **hybrid2d / transformers tokens/s** | "
-                f"**{row['speedup_vs_transformers']:.2f}x** | | | | | |"
-            )
+            cells = [mesh, "**hybrid2d / transformers tokens/s**"]
+            cells += [f"**{row['speedup_vs_transformers']:.2f}x**"] + [""] * (len(header) - 3)
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def check_args(args) -> list[tuple[int, int]]:
+    """Every mistake the runs would hit, found before any weights are written or ranks start.
+
+    Resolves --device auto and returns the meshes as (dp, tp)."""
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda, but no CUDA device is visible; use --device cpu")
+    if not 0 <= args.warmup < args.steps:
+        raise ConfigError(
+            f"--warmup {args.warmup} must be at least 0 and below --steps {args.steps}, "
+            "so that some steps are measured"
+        )
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats {args.repeats} must be >= 1")
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        raise ConfigError(f"--peak-tflops {args.peak_tflops} must be > 0")
+    runs = [args.set] + [args.set + [s.strip() for s in lever.split(",")] for lever in args.lever]
+    for setting in (s for run in runs for s in run):
+        if "=" not in setting or setting.startswith("="):
+            raise ConfigError(
+                f"setting {setting!r} (--set / --lever) is not section.field=value, "
+                "e.g. parallel.compile=true"
+            )
+    meshes = []
+    for text in args.mesh or ["2x2", "1x2"]:
+        parts = text.lower().split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ConfigError(f"--mesh {text!r} is not DPxTP with positive sizes, e.g. 2x2")
+        dp, tp = int(parts[0]), int(parts[1])
+        if args.device == "cuda" and dp * tp > torch.cuda.device_count():
+            raise ConfigError(
+                f"--mesh {text} needs {dp * tp} GPUs, {torch.cuda.device_count()} are visible"
+            )
+        for settings in runs:  # hybrid2d's defaults, then each lever on top of --set
+            model = bench_model(args)
+            job = bench_job(
+                model, args.global_batch, args.seq_len, args.steps, dp, tp, args.device, settings
+            )
+            job.validate(dp * tp)
+        meshes.append((dp, tp))
+    return meshes
 
 
 def main(argv=None) -> int:
@@ -237,16 +308,33 @@ def main(argv=None) -> int:
         action="store_true",
         help="skip transformers and the single process (compare levers only)",
     )
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="cuda: nccl, one GPU per rank, bf16 compute; auto: cuda when visible",
+    )
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        help="peak TFLOP/s of one GPU (or of the whole CPU host) for MFU; default: the dense "
+        f"bf16 peak of {', '.join(PEAK_FLOPS)}",
+    )
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
-    meshes = args.mesh or ["2x2", "1x2"]
+    try:
+        meshes = check_args(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    args.peak_flops = peak_flops(args)
     model = bench_model(args)
     results = {}
     started = time.time()
     with tempfile.TemporaryDirectory() as model_dir:
         write_model_dir(model, model_dir)
-        for mesh in meshes:
-            dp, tp = (int(x) for x in mesh.lower().split("x"))
+        for dp, tp in meshes:
+            mesh = f"{dp}x{tp}"
             args.world = dp * tp
             runs = measure(dp, tp, args, model_dir)
             results[mesh] = summarize(runs, args, model)
@@ -256,9 +344,12 @@ def main(argv=None) -> int:
                 local = args.global_batch // dp
                 results[mesh]["comm"] = runs["comm"]["comm"]
                 results[mesh]["comm_analytic"] = analytic_step(model, dp, tp, local, args.seq_len)
+    hardware = f"{os.cpu_count()} cores"
+    if args.device == "cuda":
+        hardware = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}, nccl"
     print(
         f"# hybrid2d bench {time.strftime('%Y-%m-%d')} on {platform.node()} "
-        f"({os.cpu_count()} cores, torch {torch.__version__}); {time.time() - started:.0f} s"
+        f"({hardware}, torch {torch.__version__}); {time.time() - started:.0f} s"
     )
     print(
         f"model dim {args.dim}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, ffn "
@@ -266,7 +357,7 @@ def main(argv=None) -> int:
         f"{args.repeats} alternating repeats x {args.steps - args.warmup} measured steps; "
         f"hybrid2d settings: {args.set or 'defaults'}"
     )
-    print(format_table(results))
+    print(format_table(results, args.device))
     if args.comm:
         from hybrid2d.comm_report import format_comm
 

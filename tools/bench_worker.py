@@ -8,6 +8,7 @@ AdamW and grad clipping, and rank 0 writes step times, losses and peak RSS per r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -21,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hybrid2d.config import JobConfig, ModelConfig, apply_overrides  # noqa: E402
 from hybrid2d.mesh import shutdown_distributed  # noqa: E402
-from hybrid2d.metrics import peak_rss_bytes  # noqa: E402
+from hybrid2d.metrics import peak_memory_bytes  # noqa: E402
 
 
 def batches(model: ModelConfig, global_batch: int, seq_len: int, steps: int, seed: int = 0):
@@ -31,16 +32,38 @@ def batches(model: ModelConfig, global_batch: int, seq_len: int, steps: int, see
         yield t[:, :-1], t[:, 1:]
 
 
+def bench_job(model: ModelConfig, global_batch, seq_len, steps, dp, tp, device, settings):
+    """The hybrid2d job every bench run trains (bench.py validates it before launching)."""
+    cfg = JobConfig(recipe="bench", model=model)
+    t = cfg.train
+    t.global_batch, t.seq_len, t.steps, t.seed = global_batch, seq_len, steps, 0
+    t.lr, t.warmup_steps, t.grad_clip, t.device = 1e-3, 0, 1.0, device
+    cfg.parallel.tp, cfg.parallel.dp_shard = tp, dp
+    apply_overrides(cfg, ["--" + item for item in settings or []])
+    return cfg
+
+
 def job_config(args) -> JobConfig:
     with open(os.path.join(args.model_dir, "hybrid2d_model.json")) as f:
         model = ModelConfig(**json.load(f))
-    cfg = JobConfig(recipe="bench", model=model)
-    t = cfg.train
-    t.global_batch, t.seq_len, t.steps, t.seed = args.global_batch, args.seq_len, args.steps, 0
-    t.lr, t.warmup_steps, t.grad_clip = 1e-3, 0, 1.0
-    cfg.parallel.tp, cfg.parallel.dp_shard = args.tp, args.dp
-    apply_overrides(cfg, ["--" + item for item in args.set or []])
-    return cfg
+    return bench_job(
+        model, args.global_batch, args.seq_len, args.steps, args.dp, args.tp, args.device, args.set
+    )
+
+
+def synchronize(device: torch.device) -> None:
+    """Step times on CUDA must include the queued kernels."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def compute_precision(device: torch.device):
+    """transformers and the single process on CUDA: bf16 matmuls over fp32 weights, as hybrid2d's
+    default mixed precision there (bf16 parameters for compute, fp32 master weights and
+    gradient reduction); CPU runs are fp32 throughout, as hybrid2d's."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def run_hybrid2d(args):
@@ -49,8 +72,8 @@ def run_hybrid2d(args):
 
     cfg = job_config(args)
     cfg.validate(dist.get_world_size() if dist.is_initialized() else args.dp * args.tp)
-    init_distributed("cpu", 300)
-    mesh = build_mesh("cpu", 1, args.dp, args.tp)
+    init_distributed(args.device, 300)
+    mesh = build_mesh(args.device, 1, args.dp, args.tp)
     trainer = Trainer(cfg, mesh)
     per = args.global_batch // mesh.dp
     lo = mesh.dp_rank * per
@@ -69,7 +92,7 @@ def run_hybrid2d(args):
             r = trainer.train_step(micro)
         times.append(r.seconds)
         losses.append(r.loss)
-    return times, losses, comm
+    return times, losses, comm, mesh.device
 
 
 def run_transformers(args):
@@ -78,7 +101,14 @@ def run_transformers(args):
 
     from hybrid2d.optim import clip_grad_norm
 
-    dist.init_process_group("gloo")
+    if args.device == "cuda":
+        local_rank = int(os.environ["LOCAL_RANK"])
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
     model = AutoModelForCausalLM.from_pretrained(
         args.model_dir,
         distributed_config=DistributedConfig(tp_size=args.tp, fsdp_size=args.dp),
@@ -93,11 +123,14 @@ def run_transformers(args):
     lo = dp_rank * per
     times, losses = [], []
     for x, y in batches(cfg.model, args.global_batch, args.seq_len, args.steps):
+        synchronize(device)
         start = time.perf_counter()
-        logits = model(input_ids=x[lo : lo + per]).logits
+        x, y = x[lo : lo + per].to(device), y[lo : lo + per].to(device)
+        with compute_precision(device):
+            logits = model(input_ids=x).logits
         if hasattr(logits, "full_tensor"):
             logits = logits.full_tensor()
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), y[lo : lo + per].flatten())
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
         loss.backward()
         # torch's clip_grad_norm_ refuses grads on different meshes (norms are on the fsdp mesh
         # only, projections on fsdp x tp); hybrid2d's handles any mix with one all-reduce.
@@ -106,30 +139,36 @@ def run_transformers(args):
         opt.zero_grad(set_to_none=True)
         value = loss.detach().clone()
         dist.all_reduce(value)
+        losses.append(value.item() / dist.get_world_size())  # .item() waits for the step
         times.append(time.perf_counter() - start)
-        losses.append(value.item() / dist.get_world_size())
-    return times, losses, None
+    return times, losses, None, device
 
 
 def run_single(args):
     from hybrid2d.models.llama import Llama
 
     torch.set_num_threads(os.cpu_count() or 1)
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     cfg = job_config(args)
     model = Llama(cfg.model)
     model.init_weights(0)
+    model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     times, losses = [], []
     for x, y in batches(cfg.model, args.global_batch, args.seq_len, args.steps):
+        synchronize(device)
         start = time.perf_counter()
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        x, y = x.to(device), y.to(device)
+        with compute_precision(device):
+            logits = model(x)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())  # .item() waits for the step
         times.append(time.perf_counter() - start)
-        losses.append(loss.item())
-    return times, losses, None
+    return times, losses, None, device
 
 
 def main():
@@ -141,6 +180,7 @@ def main():
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--comm", action="store_true")
     p.add_argument("--set", action="append", help="hybrid2d setting section.field=value")
     p.add_argument("--out", required=True)
@@ -148,14 +188,14 @@ def main():
     if "RANK" in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
     run = {"hybrid2d": run_hybrid2d, "transformers": run_transformers, "single": run_single}
-    times, losses, comm = run[args.impl](args)
-    peaks = [peak_rss_bytes()]
+    times, losses, comm, device = run[args.impl](args)
+    peaks = [peak_memory_bytes(device)]  # CUDA: peak allocated by tensors; CPU: peak RSS
     if dist.is_initialized():
         peaks = [None] * dist.get_world_size()
-        dist.all_gather_object(peaks, peak_rss_bytes())
+        dist.all_gather_object(peaks, peak_memory_bytes(device))
     if not dist.is_initialized() or dist.get_rank() == 0:
         with open(args.out, "w") as f:
-            json.dump({"times": times, "losses": losses, "peak_rss": peaks, "comm": comm}, f)
+            json.dump({"times": times, "losses": losses, "peak_mem": peaks, "comm": comm}, f)
     shutdown_distributed()
 
 
