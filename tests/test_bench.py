@@ -102,10 +102,13 @@ def test_efficiency_counts_gpus_on_cuda_and_the_shared_host_on_cpu():
     fpt = flops_per_token(model, 16)
     assert row["kinds"]["hybrid2d"]["mfu"] == pytest.approx(fpt * tokens_per_s / 4e12)
     assert row["kinds"]["single"]["mfu"] == pytest.approx(fpt * 8 * 16 / 1.0 / 1e12)
-    args.device = "cpu"  # the same cores for every kind: 1.0 / 0.3
+    table = bench.format_table({"2x2": row}, "cuda")
+    assert "| 2x2 | hybrid2d | 0.300 | 427 | 83% | 0.00695% | 1.00x |" in table
+    args.device, args.peak_flops = "cpu", None  # the same cores for every kind: 1.0 / 0.3
     row = bench.summarize(runs, args, model)
     assert row["kinds"]["hybrid2d"]["efficiency"] == pytest.approx(1.0 / 0.3)
-    assert "| 2x2 | hybrid2d | 0.300 |" in bench.format_table({"2x2": row}, "cpu")
+    table = bench.format_table({"2x2": row}, "cpu")
+    assert "MFU" not in table and "| 2x2 | hybrid2d | 0.300 | 427 | 333% | 1.00x |" in table
 
 
 @pytest.mark.parametrize(

@@ -218,7 +218,8 @@ def format_table(results: dict, device: str) -> str:
         for label, r in row["kinds"].items():
             eff = f"{r['efficiency']:.0%}" if "efficiency" in r and label != "single" else ""
             cells = [mesh, label, f"{r['step_s']:.3f}", f"{r['tokens_per_s']:,.0f}", eff]
-            cells += [f"{r['mfu']:.1%}"] * mfu
+            if mfu:
+                cells.append(f"{100 * r['mfu']:.3g}%" if "mfu" in r else "")
             cells += [
                 f"{r['vs_hybrid2d_default']:.2f}x",
                 f"{r['peak_mem_mib']:.0f}",
@@ -344,6 +345,9 @@ def main(argv=None) -> int:
                 local = args.global_batch // dp
                 results[mesh]["comm"] = runs["comm"]["comm"]
                 results[mesh]["comm_analytic"] = analytic_step(model, dp, tp, local, args.seq_len)
+    if args.json:  # first, so that the measurements outlive any mistake in printing them
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
     hardware = f"{os.cpu_count()} cores"
     if args.device == "cuda":
         hardware = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}, nccl"
@@ -364,9 +368,6 @@ def main(argv=None) -> int:
         for mesh, row in results.items():
             table = format_comm(row["comm"], row["comm_analytic"])
             print(f"\ncommunication per rank per step, {mesh}:\n{table}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
     return 0
 
 
