@@ -192,24 +192,27 @@ class ShmTransport:
 
     def _wait(self) -> None:
         deadline = None
+        slept_through = False  # a whole _LIVENESS_S passed without a wake-up
         while min(self.flags.tolist()) < self.generation:
             if deadline is None:
                 deadline = time.monotonic() + self.timeout_s
             left = deadline - time.monotonic()
-            behind = [r for r, f in enumerate(self.flags.tolist()) if f < self.generation]
             if left <= 0:
+                behind = [r for r, f in enumerate(self.flags.tolist()) if f < self.generation]
                 raise TimeoutError(
                     f"rank {dist.get_rank()}: group ranks {behind} did not reach shared-memory "
                     f"collective {self.generation} within {self.timeout_s:.0f} s "
                     "(parallel.timeout_s)"
                 )
-            dead = [pid for pid, start in self.peers if not _alive(pid, start)]
+            # Reading /proc costs more than most waits last: only a quiet peer is looked up.
+            dead = slept_through and [pid for pid, start in self.peers if not _alive(pid, start)]
             if dead:
                 raise RuntimeError(
                     f"rank {dist.get_rank()}: a peer process ({', '.join(map(str, dead))}) "
                     f"exited during shared-memory collective {self.generation}"
                 )
             ready, _, _ = select.select([self.own_fifo], [], [], min(left, _LIVENESS_S))
+            slept_through = not ready
             if ready:
                 try:
                     os.read(self.own_fifo, 4096)
