@@ -3,7 +3,9 @@ run to save a checkpoint at the current step and exit cleanly. Under torchrun --
 only SIGUSR1 does (see preemption_signals).
 
 Signals reach ranks at slightly different moments, so the handler only sets a flag; once per
-step the ranks agree (a one-element MAX all-reduce) and all stop after the same step.
+step the ranks agree (a one-element MAX all-reduce) and all stop after the same step. A rank can
+therefore stop on a peer's signal before its own arrives: after a stop, close() leaves these
+signals ignored, so that a late one cannot kill the rank while it writes its summary and exits.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class Preemption:
     def __init__(self, device: torch.device):
         self.device = device
         self.signal_name: str | None = None
+        self.stopping = False  # some rank got a signal: the run stops after this step
         self._previous = {}
         if threading.current_thread() is threading.main_thread():
             for sig in preemption_signals():
@@ -42,9 +45,12 @@ class Preemption:
         flag = torch.tensor([1.0 if self.signal_name else 0.0], device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        self.stopping = bool(flag.item())
+        return self.stopping
 
     def close(self) -> None:
+        """Restore the previous handlers; after a stop, ignore these signals instead (the
+        process is exiting on purpose, and the launcher's SIGKILL still ends a hung one)."""
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_IGN if self.stopping else handler)
         self._previous.clear()
