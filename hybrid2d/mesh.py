@@ -7,6 +7,7 @@ are chosen here once; the rest of the code takes them from the mesh.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import warnings
@@ -173,7 +174,7 @@ def print0(*args, file=sys.stdout) -> None:
 
 
 def shutdown_distributed() -> None:
-    """Barrier, then destroy the process group.
+    """Barrier, destroy the process groups, and free them before the interpreter exits.
 
     Without the barrier a rank that tears gloo down while a peer still talks to it makes the
     peer abort (SIGABRT) instead of exiting with its own status. If a peer is gone the barrier
@@ -189,4 +190,22 @@ def shutdown_distributed() -> None:
             dist.barrier()
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - a dead peer: nothing left to synchronise with
-        pass
+        return
+    _free_process_groups()
+
+
+def _free_process_groups() -> None:
+    """Let the destroyed groups' destructors run now, joining gloo's worker threads.
+
+    destroy_process_group only forgets the groups: each DeviceMesh keeps them in its
+    `_pg_registry`, and DTensor's sharding cache keeps the meshes alive. Gloo's threads then
+    run into interpreter exit, and one that frees a finished collective's tensor needs the GIL
+    while Python finalizes: the process aborts with "terminate called without an active
+    exception" (pytorch#190489), a failed exit after a good run.
+    """
+    for obj in gc.get_objects():
+        if isinstance(obj, DeviceMesh):
+            registry = getattr(obj, "_pg_registry", None)
+            if isinstance(registry, dict):
+                registry.clear()
+    gc.collect()
