@@ -1,43 +1,68 @@
-"""Every setting of a run as dataclasses, CLI overrides by dotted name, and validation.
+"""Every setting of a run as dataclasses, the command line over them, and validation.
 
 A recipe gives a complete `JobConfig`; the command line changes single fields with
-`--section.field value`. Bad input is reported as one `ConfigError` line naming the setting,
+`--section.field value`, parsed by tyro over these dataclasses (the comment above or beside a
+field is its `--help` text). Bad input is reported as one `ConfigError` line naming the setting,
 its value and what would work, before any process group or model exists.
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import dataclasses
 import difflib
+import io
+import math
 import typing
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 class ConfigError(ValueError):
     """A setting is wrong; the message is one line naming it and what would work."""
 
 
+# Settings that older runs' and checkpoints' config.json files hold but hybrid2d no longer has:
+# `JobConfig.from_dict` drops them without a word; on the command line they are an error that
+# says the setting is gone. While a field of this name still exists it is an ordinary setting.
+RETIRED_KEYS = ("parallel.fused_projections", "parallel.local_norms", "parallel.direct_sp_comm")
+
+
 @dataclass
 class ModelConfig:
     """Shape of a Llama-family model; field meanings follow HF `LlamaConfig`."""
 
+    # Model family name (informational).
     name: str = "llama"
+    # Hidden size (HF hidden_size).
     dim: int = 256
+    # Transformer blocks (HF num_hidden_layers).
     n_layers: int = 4
+    # Attention heads (HF num_attention_heads); must divide dim.
     n_heads: int = 8
+    # Key/value heads for grouped-query attention (HF num_key_value_heads); divides n_heads.
     n_kv_heads: int = 4
+    # MLP hidden size (HF intermediate_size).
     ffn_dim: int = 688
+    # Vocabulary size; the tokenizer is trained to this size when none is given.
     vocab_size: int = 4096
+    # RMSNorm epsilon (HF rms_norm_eps).
     norm_eps: float = 1e-5
+    # RoPE base frequency.
     rope_theta: float = 10000.0
     # llama3 frequency scaling; rope_scaling_factor == 0 means none.
     rope_scaling_factor: float = 0.0
+    # llama3 RoPE scaling: low_freq_factor.
     rope_low_freq_factor: float = 1.0
+    # llama3 RoPE scaling: high_freq_factor (larger than low_freq_factor).
     rope_high_freq_factor: float = 4.0
+    # llama3 RoPE scaling: original_max_position_embeddings.
     rope_original_max_position: int = 8192
+    # Longest sequence the model is meant for (HF max_position_embeddings).
     max_position_embeddings: int = 2048
+    # Share the embedding matrix with the output head (Llama 3.2 1B/3B).
     tie_embeddings: bool = False
+    # Standard deviation of the normal initialization of the weights.
     init_std: float = 0.02
 
     @property
@@ -59,17 +84,21 @@ class ModelConfig:
 class ParallelConfig:
     """Mesh sizes. -1 for dp_shard means: whatever the world size leaves after the others."""
 
+    # HSDP: replicas of the FSDP-sharded model (usually the number of nodes).
     dp_replicate: int = 1
+    # FSDP shards; -1: world size / (dp_replicate x tp).
     dp_shard: int = -1
+    # Tensor-parallel ranks (innermost mesh axis, keep it inside a node).
     tp: int = 1
     # FSDP2 reshard_after_forward for blocks (the root is never resharded after forward).
     reshard_after_forward: bool = True
     # FSDP2 explicit prefetch: all-gather this many blocks ahead (0: FSDP2's implicit default).
     fsdp_prefetch: int = 0
     # "auto": bf16 params with fp32 reduce on CUDA, fp32 on CPU.
-    mixed_precision: str = "auto"
+    mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
     # none | full (recompute whole blocks) | selective (recompute only elementwise ops)
-    activation_checkpoint: str = "none"
+    activation_checkpoint: Literal["none", "full", "selective"] = "none"
+    # torch.compile each transformer block.
     compile: bool = False
     # q/k/v and gate/up as one local matmul each (same parameters, same HF names).
     fused_projections: bool = True
@@ -80,39 +109,55 @@ class ParallelConfig:
     direct_sp_comm: bool = True
     # CPU only: tp and FSDP collectives among ranks of one host through shared memory instead
     # of gloo's loopback TCP. auto: where possible; on: an error where not possible; off.
-    shm_collectives: str = "auto"
+    shm_collectives: Literal["auto", "on", "off"] = "auto"
     # Gradient accumulation: reduce-scatter once per step instead of once per micro batch, at
     # the cost of holding unsharded gradients between micro batches.
     defer_grad_sync: bool = False
-    # Collective timeout; a dead peer surfaces as an error after this long instead of a hang.
+    # Collective timeout in seconds; a dead peer surfaces as an error after this long instead
+    # of a hang.
     timeout_s: int = 600
 
 
 @dataclass
 class TrainConfig:
+    """Optimization: steps, batch, learning rate schedule, optimizer."""
+
+    # Optimizer steps to train for.
     steps: int = 200
+    # Sequences per step over all data-parallel ranks.
     global_batch: int = 8
     micro_batch: int = 0  # 0: the whole per-dp-rank batch at once (no accumulation)
+    # Tokens per sequence.
     seq_len: int = 256
+    # Peak learning rate (after warmup).
     lr: float = 3e-3
+    # Learning rate at the last step, as a fraction of lr (cosine decay).
     min_lr_ratio: float = 0.1
+    # Steps of linear warmup from 0 to lr.
     warmup_steps: int = 20
+    # AdamW weight decay on matrices (norm weights are not decayed).
     weight_decay: float = 0.1
+    # AdamW beta1.
     beta1: float = 0.9
+    # AdamW beta2.
     beta2: float = 0.95
     grad_clip: float = 1.0  # 0 disables clipping (the norm is still measured)
-    optimizer: str = "adamw"  # adamw | sgd
+    optimizer: Literal["adamw", "sgd"] = "adamw"  # adamw | sgd
     # A non-finite loss or grad norm: "stop" the run before the update, or "skip" the update.
-    on_nonfinite: str = "stop"
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    # Seed of the weight initialization and of the data order.
     seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto | cpu | cuda
 
 
 @dataclass
 class DataConfig:
+    """Training text and tokenizer."""
+
     # A .txt/.jsonl/.parquet file or a directory of them; "" means the built-in corpus
     # (the Python standard library's sources, present wherever Python is).
     path: str = ""
+    # The field holding the text in .jsonl and .parquet files.
     text_field: str = "text"
     # tokenizer.json or a HF model directory; "" trains a byte-level BPE of the model's vocab
     # size on the corpus and caches it.
@@ -124,17 +169,29 @@ class DataConfig:
 
 @dataclass
 class MetricsConfig:
+    """Run directory and what is logged."""
+
+    # Where the run writes config.json, summary.json, TensorBoard events and checkpoints;
+    # {recipe} and {time} are filled in.
     run_dir: str = "runs/{recipe}-{time}"
+    # Log every N steps (the last step is always logged).
     log_every: int = 1
+    # Write TensorBoard events under the run directory.
     tensorboard: bool = True
+    # Show a progress bar on rank 0.
     progress_bar: bool = True
 
 
 @dataclass
 class CheckpointConfig:
+    """Saving, resuming and initializing from checkpoints."""
+
     every: int = 0  # save every N steps; 0: only at the end (when enabled)
+    # Save a checkpoint after the last step.
     save_final: bool = False
+    # Keep the newest N checkpoints of the run, delete older ones.
     keep_last: int = 3
+    # Write checkpoints from a background thread while training goes on.
     async_save: bool = False
     resume: str = ""  # "" (none) | auto | path of a step directory (or of a run directory)
     # Save a checkpoint after this step and stop (a job's time slot ends); 0: run to train.steps.
@@ -144,13 +201,20 @@ class CheckpointConfig:
 
 @dataclass
 class ProfileConfig:
+    """Memory profiling."""
+
+    # Per step and rank memory by category (parameters, gradients, optimizer, activations,
+    # communication); memory/* in TensorBoard and a report at the end.
     memory: bool = False
+    # CUDA: dump the allocator's snapshot for https://pytorch.org/memory_viz.
     snapshot: bool = False
 
 
 @dataclass
 class JobConfig:
-    recipe: str = "llama-debug"
+    """hybrid2d trainer settings; the defaults shown are those of the chosen --recipe."""
+
+    recipe: str = "llama-debug"  # a name from --list; its values are the defaults shown here
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -164,15 +228,39 @@ class JobConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> JobConfig:
+        """The config a `to_dict()` (a run's or checkpoint's config.json) describes.
+
+        Missing settings keep their defaults; an unknown section or setting is a ConfigError
+        naming it and the closest valid one, except the RETIRED_KEYS, which are dropped.
+        Values of the wrong type are a ConfigError too (ints are accepted for floats).
+        """
         cfg = cls()
+        sections = {f.name for f in dataclasses.fields(cfg)}
         for section, values in d.items():
-            if isinstance(values, dict):
-                sub = getattr(cfg, section)
-                for k, v in values.items():
-                    if hasattr(sub, k):
-                        setattr(sub, k, v)
-            elif hasattr(cfg, section):
-                setattr(cfg, section, values)
+            if section not in sections:
+                raise ConfigError(
+                    f"unknown section {section!r} in a saved config; {_closest(section, sections)}"
+                )
+            current = getattr(cfg, section)
+            if not dataclasses.is_dataclass(current):
+                setattr(cfg, section, _typed(section, _hints(type(cfg))[section], values))
+                continue
+            if not isinstance(values, dict):
+                raise ConfigError(
+                    f"section {section!r} of a saved config is {type(values).__name__} "
+                    f"{values!r}; expected a mapping of its settings"
+                )
+            hints = _hints(type(current))
+            for k, v in values.items():
+                key = f"{section}.{k}"
+                if k not in hints:
+                    if key in RETIRED_KEYS:
+                        continue  # an older config's setting that no longer exists
+                    leaves = [n for n in _leaf_fields(cfg) if n not in RETIRED_KEYS]
+                    raise ConfigError(
+                        f"unknown setting {key!r} in a saved config; {_closest(key, leaves)}"
+                    )
+                setattr(current, k, _typed(key, hints[k], v))
         return cfg
 
     # ---- validation -------------------------------------------------------------------------
@@ -202,9 +290,23 @@ class JobConfig:
             )
         return p.dp_replicate, dp_shard, p.tp
 
+    def check_settings(self) -> None:
+        """Every setting on its own: its type, its choices, and its range (finite numbers)."""
+        for name, (owner, f) in _leaf_fields(self).items():
+            value = _typed(name, _hints(type(owner))[f.name], getattr(owner, f.name))
+            check_range(name, value)
+        m = self.model
+        if m.rope_scaling_factor > 0 and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+            raise ConfigError(
+                f"model.rope_high_freq_factor={m.rope_high_freq_factor} must be larger than "
+                f"model.rope_low_freq_factor={m.rope_low_freq_factor} when "
+                f"model.rope_scaling_factor={m.rope_scaling_factor} (llama3 uses 4 and 1)"
+            )
+
     def validate(self, world_size: int) -> tuple[int, int, int]:
         """Check every setting that can be checked without a process group; return the mesh."""
-        m, p, t = self.model, self.parallel, self.train
+        self.check_settings()
+        m, t = self.model, self.train
         dp_rep, dp_shard, tp = self.resolve_mesh(world_size)
         dp = dp_rep * dp_shard
         for what, value in (
@@ -229,57 +331,194 @@ class JobConfig:
                 f"train.seq_len={t.seq_len} is not divisible by parallel.tp={tp} "
                 f"(sequence parallel splits the sequence); use a multiple of {tp}"
             )
-        if t.seq_len < 1:
-            raise ConfigError(f"train.seq_len={t.seq_len} must be >= 1")
         if t.global_batch % dp:
             raise ConfigError(
                 f"train.global_batch={t.global_batch} is not divisible by the data-parallel size "
                 f"{dp} (dp_replicate x dp_shard); use a multiple of {dp}"
             )
         local = t.global_batch // dp
-        if t.micro_batch < 0 or (t.micro_batch and local % t.micro_batch):
+        if t.micro_batch and local % t.micro_batch:
             raise ConfigError(
                 f"train.micro_batch={t.micro_batch} does not divide the per-rank batch {local} "
                 f"(global_batch / dp); use one of {_divisors(local)} or 0"
             )
-        if t.steps < 1:
-            raise ConfigError(f"train.steps={t.steps} must be >= 1")
-        if t.optimizer not in ("adamw", "sgd"):
-            raise ConfigError(f"train.optimizer={t.optimizer!r} is not one of 'adamw', 'sgd'")
-        if t.on_nonfinite not in ("stop", "skip"):
-            raise ConfigError(f"train.on_nonfinite={t.on_nonfinite!r} is not one of stop, skip")
-        if t.device not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"train.device={t.device!r} is not one of 'auto', 'cpu', 'cuda'")
-        if p.mixed_precision not in ("auto", "bf16", "fp32"):
-            raise ConfigError(
-                f"parallel.mixed_precision={p.mixed_precision!r} is not one of auto, bf16, fp32"
-            )
-        if p.activation_checkpoint not in ("none", "full", "selective"):
-            raise ConfigError(
-                f"parallel.activation_checkpoint={p.activation_checkpoint!r} is not one of "
-                "none, full, selective"
-            )
-        if p.fsdp_prefetch < 0:
-            raise ConfigError(f"parallel.fsdp_prefetch={p.fsdp_prefetch} must be >= 0")
-        if p.shm_collectives not in ("auto", "on", "off"):
-            raise ConfigError(
-                f"parallel.shm_collectives={p.shm_collectives!r} is not one of auto, on, off"
-            )
-        if t.lr <= 0:
-            raise ConfigError(f"train.lr={t.lr} must be > 0")
-        if t.warmup_steps < 0:
-            raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be >= 0")
-        if self.checkpoint.keep_last < 1:
-            raise ConfigError(f"checkpoint.keep_last={self.checkpoint.keep_last} must be >= 1")
-        for name in ("every", "stop_after"):
-            if getattr(self.checkpoint, name) < 0:
-                value = getattr(self.checkpoint, name)
-                raise ConfigError(f"checkpoint.{name}={value} must be >= 0 (0: off)")
         return dp_rep, dp_shard, tp
+
+
+def resolve_mixed_precision(setting: str, device_type: str) -> str:
+    """The compute precision parallel.mixed_precision means on this device: "bf16" or "fp32".
+
+    "auto" is bf16 parameters and activations (with fp32 gradient reduction) on CUDA and fp32
+    on every other device; "bf16" and "fp32" mean themselves everywhere.
+    """
+    if setting == "auto":
+        return "bf16" if device_type == "cuda" else "fp32"
+    if setting in ("bf16", "fp32"):
+        return setting
+    raise ConfigError(f"parallel.mixed_precision={setting!r} is not one of 'auto', 'bf16', 'fp32'")
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0] if n > 0 else []
+
+
+# ---- what each number may be -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Range:
+    """An interval of allowed values, with optional single extra values (dp_shard's -1)."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    also: tuple = ()
+    note: str = ""
+
+    def __contains__(self, v) -> bool:
+        if v in self.also:
+            return True
+        if isinstance(v, float) and not math.isfinite(v):
+            return False
+        if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
+            return False
+        return not (self.hi is not None and (v >= self.hi if self.hi_open else v > self.hi))
+
+    def __str__(self) -> str:
+        if self.lo is not None and self.hi is not None:
+            left, right = "(" if self.lo_open else "[", ")" if self.hi_open else "]"
+            text = f"in {left}{self.lo}, {self.hi}{right}"
+        elif self.lo is not None:
+            text = f"{'>' if self.lo_open else '>='} {self.lo}"
+        else:
+            text = f"{'<' if self.hi_open else '<='} {self.hi}"
+        extra = "".join(f" or {a}" for a in self.also)
+        return text + extra + (f" ({self.note})" if self.note else "")
+
+
+_POSITIVE = Range(0, lo_open=True)
+_AT_LEAST_1 = Range(1)
+_NON_NEGATIVE = Range(0)
+_FRACTION = Range(0, 1)
+_BETA = Range(0, 1, hi_open=True)
+
+# Every int and float setting and what it may be (tests check that none is missing).
+LIMITS: dict[str, Range] = {
+    "model.dim": _AT_LEAST_1,
+    "model.n_layers": _AT_LEAST_1,
+    "model.n_heads": _AT_LEAST_1,
+    "model.n_kv_heads": _AT_LEAST_1,
+    "model.ffn_dim": _AT_LEAST_1,
+    "model.vocab_size": _AT_LEAST_1,
+    "model.norm_eps": _POSITIVE,
+    "model.rope_theta": _POSITIVE,
+    "model.rope_scaling_factor": Range(0, note="0: no scaling"),
+    "model.rope_low_freq_factor": _POSITIVE,
+    "model.rope_high_freq_factor": _POSITIVE,
+    "model.rope_original_max_position": _AT_LEAST_1,
+    "model.max_position_embeddings": _AT_LEAST_1,
+    "model.init_std": _POSITIVE,
+    "parallel.dp_replicate": _AT_LEAST_1,
+    "parallel.dp_shard": Range(1, also=(-1,), note="-1: what the world size leaves"),
+    "parallel.tp": _AT_LEAST_1,
+    "parallel.fsdp_prefetch": _NON_NEGATIVE,
+    "parallel.timeout_s": Range(1, 10**9),
+    "train.steps": _AT_LEAST_1,
+    "train.global_batch": _AT_LEAST_1,
+    "train.micro_batch": Range(0, note="0: no accumulation"),
+    "train.seq_len": _AT_LEAST_1,
+    "train.lr": _POSITIVE,
+    "train.min_lr_ratio": _FRACTION,
+    "train.warmup_steps": _NON_NEGATIVE,
+    "train.weight_decay": _NON_NEGATIVE,
+    "train.beta1": _BETA,
+    "train.beta2": _BETA,
+    "train.grad_clip": Range(0, note="0: no clipping"),
+    "train.seed": Range(0, 2**63, hi_open=True),
+    "data.max_chars": Range(0, note="0: all of it"),
+    "metrics.log_every": _AT_LEAST_1,
+    "checkpoint.every": Range(0, note="0: only at the end"),
+    "checkpoint.keep_last": _AT_LEAST_1,
+    "checkpoint.stop_after": Range(0, note="0: off"),
+}
+
+
+def check_range(name: str, value) -> None:
+    """A ConfigError unless the value of setting `name` is in its range (numbers only)."""
+    limit = LIMITS.get(name)
+    if limit is None or value in limit:
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{name}={value} is not a finite number; use a value {limit}")
+    raise ConfigError(f"{name}={value} is out of range; use a value {limit}")
+
+
+# ---- types ------------------------------------------------------------------------------------
+
+
+def _hints(cls) -> dict[str, object]:
+    return typing.get_type_hints(cls)
+
+
+def _choices(kind) -> tuple | None:
+    return typing.get_args(kind) if typing.get_origin(kind) is Literal else None
+
+
+def _kind_text(kind) -> str:
+    choices = _choices(kind)
+    if choices is not None:
+        return "one of " + ", ".join(repr(c) for c in choices)
+    return {bool: "true or false", int: "an integer", float: "a number", str: "text"}[kind]
+
+
+def _typed(name: str, kind, value):
+    """`value` (from Python or JSON) as a value of `kind`, or a ConfigError naming `name`."""
+    choices = _choices(kind)
+    if choices is not None:
+        ok = isinstance(value, str) and value in choices
+    elif kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    elif kind in (int, float):
+        ok = isinstance(value, kind) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        raise ConfigError(f"{name}={value!r} is not {_kind_text(kind)}")
+    return value
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
+
+
+def parse_value(name: str, kind, text: str):
+    """Command-line text for setting `name` of type `kind` as a checked value (type, choices
+    and range), or a ConfigError naming the setting, the text and what would work."""
+    choices = _choices(kind)
+    try:
+        if choices is not None:
+            if text not in choices:
+                raise ValueError(text)
+            value = text
+        elif kind is bool:
+            value = _parse_bool(text)
+        else:
+            value = kind(text.strip()) if kind in (int, float) else text
+    except ValueError:
+        raise ConfigError(f"--{name}={text!r} is not {_kind_text(kind)}") from None
+    check_range(name, value)
+    return value
+
+
+def _closest(name: str, valid) -> str:
+    close = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.0)
+    return f"the closest valid one is {close[0]!r}" if close else "none is valid here"
 
 
 # ---- command line ----------------------------------------------------------------------------
@@ -296,56 +535,118 @@ def _leaf_fields(cfg: JobConfig) -> dict[str, tuple[object, dataclasses.Field]]:
     return out
 
 
-def _parse_bool(text: str) -> bool:
-    low = text.lower()
-    if low in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(text)
+def setting_names(cfg: JobConfig | None = None) -> list[str]:
+    """Every 'section.field' the command line can set."""
+    return list(_leaf_fields(cfg or JobConfig()))
 
 
-def _converter(owner: object, f: dataclasses.Field):
-    hints = typing.get_type_hints(type(owner))
-    kind = hints[f.name]
-    return {bool: _parse_bool, int: int, float: float, str: str}[kind], kind.__name__
+def _split_args(args: list[str], leaves: dict) -> list[tuple[str, str]]:
+    """[(dotted name, value text)] of `--section.field value` / `--section.field=value` pairs.
+    A boolean flag without a value means true. Unknown names are a ConfigError."""
+    out = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or arg == "--":
+            raise ConfigError(f"unexpected argument {arg!r}; settings look like --train.steps 50")
+        key, eq, text = arg[2:].partition("=")
+        key = key.replace("-", "_")  # tyro's spelling (--train.global-batch) works too
+        if key not in leaves:
+            if key in RETIRED_KEYS:
+                raise ConfigError(
+                    f"--{key} was removed (hybrid2d now always does what it enabled); drop it"
+                )
+            close = difflib.get_close_matches(key, leaves, n=1, cutoff=0.5)
+            hint = f"did you mean --{close[0]}?" if close else "--help lists the settings"
+            raise ConfigError(f"unknown setting --{key}; {hint}")
+        owner, f = leaves[key]
+        kind = _hints(type(owner))[f.name]
+        nxt = args[i + 1] if i + 1 < len(args) else None
+        if eq:
+            i += 1
+        elif kind is bool and (nxt is None or nxt.startswith("--")):
+            text, i = "true", i + 1
+        elif nxt is None or nxt.startswith("--"):
+            raise ConfigError(
+                f"--{key} needs a value ({_kind_text(kind)}), e.g. --{key} "
+                f"{_cli_text(getattr(owner, f.name)) or '...'}"
+            )
+        else:
+            text, i = nxt, i + 2
+        out.append((key, text))
+    return out
+
+
+def _cli_text(value) -> str:
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+_TYRO_ERROR = "the command line could not be parsed"
+
+
+def _tyro(cfg: JobConfig, args: list[str]) -> JobConfig:
+    """tyro's parse of `args` over `cfg`'s values. Its own error output (a framed message and
+    usage) is caught: a ConfigError carries the first line that names a problem."""
+    import tyro
+
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            return tyro.cli(
+                JobConfig,
+                args=args,
+                default=cfg,
+                use_underscores=True,
+                config=(tyro.conf.FlagConversionOff,),
+            )
+    except SystemExit:
+        text = err.getvalue() + out.getvalue()
+        lines = [ln.strip(" │╭╮╰╯─") for ln in text.splitlines()]
+        useful = [ln for ln in lines if ln and ("rror" in ln or "nrecognized" in ln)]
+        detail = " ".join((useful or [ln for ln in lines if ln] or ["no detail"])[0].split())
+        raise ConfigError(f"{_TYRO_ERROR} ({' '.join(args)}): {detail}") from None
 
 
 def apply_overrides(cfg: JobConfig, args: list[str]) -> set[str]:
     """Apply `--section.field value` pairs (or `--section.field=value`) to cfg in place.
 
-    Returns the dotted names that were set. Unknown keys and values of the wrong type raise a
-    ConfigError naming the key, the closest valid keys, or the expected type.
+    Returns the dotted names that were set. Every value is checked first (unknown names with
+    the closest valid one, wrong types, choices, non-finite or out-of-range numbers: one
+    ConfigError line each); tyro then parses the checked values over cfg's dataclasses.
     """
     leaves = _leaf_fields(cfg)
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    for name in leaves:
-        parser.add_argument(f"--{name}", dest=name, default=None)
-    known, unknown = parser.parse_known_args(args)
-    for arg in unknown:
-        if arg.startswith("--"):
-            key = arg[2:].split("=", 1)[0]
-            close = difflib.get_close_matches(key, leaves, n=3, cutoff=0.5)
-            hint = (
-                f"did you mean {', '.join('--' + c for c in close)}?"
-                if close
-                else ("run with --help-config to list the settings")
-            )
-            raise ConfigError(f"unknown setting --{key}; {hint}")
-        raise ConfigError(f"unexpected argument {arg!r}; settings look like --train.steps 50")
-    changed = set()
-    for name, text in vars(known).items():
-        if text is None:
-            continue
-        owner, f = leaves[name]
-        convert, type_name = _converter(owner, f)
-        try:
-            value = convert(text)
-        except ValueError:
-            raise ConfigError(f"--{name}={text!r} is not a valid {type_name}") from None
-        setattr(owner, f.name, value)
-        changed.add(name)
-    return changed
+    values: dict[str, object] = {}
+    for key, text in _split_args(list(args), leaves):
+        owner, f = leaves[key]
+        values[key] = parse_value(key, _hints(type(owner))[f.name], text)
+    if not values:
+        return set()
+    parsed = _tyro(cfg, [f"--{k}={_tyro_text(v)}" for k, v in values.items()])
+    for key in values:
+        owner, f = leaves[key]
+        section = key.split(".", 1)[0]
+        setattr(owner, f.name, getattr(getattr(parsed, section), f.name))
+    return set(values)
+
+
+def _tyro_text(value) -> str:
+    return ("True" if value else "False") if isinstance(value, bool) else _cli_text(value)
+
+
+def print_help(cfg: JobConfig, prog: str | None = None, description: str | None = None) -> None:
+    """tyro's --help for every setting, with its help text and cfg's value as the default."""
+    import tyro
+
+    with contextlib.suppress(SystemExit):
+        tyro.cli(
+            JobConfig,
+            prog=prog,
+            description=description,
+            args=["--help"],
+            default=cfg,
+            use_underscores=True,
+            config=(tyro.conf.FlagConversionOff,),
+        )
 
 
 def describe(cfg: JobConfig) -> str:

@@ -3,6 +3,7 @@
 accelerate launch --config_file recipes/accelerate/cpu_2x2.yaml recipes/llama.py
 torchrun --nproc_per_node 4 recipes/llama.py --parallel.tp 2 --train.steps 50
 python recipes/llama.py --list
+python recipes/llama.py --recipe llama3.1-8b --help
 """
 
 from __future__ import annotations
@@ -14,37 +15,47 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hybrid2d import recipes  # noqa: E402
-from hybrid2d.config import ConfigError, apply_overrides, describe  # noqa: E402
+from hybrid2d.config import ConfigError, apply_overrides, describe, print_help  # noqa: E402
+
+DESCRIPTION = (
+    "hybrid2d trainer: a recipe's settings, changed with --section.field value. "
+    "--recipe NAME picks the recipe (its values are the defaults below), --list lists the "
+    "recipes, --help-config prints every setting's value."
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, not argparse's usage and exit
+        raise ConfigError(f"{message}; e.g. --recipe llama-debug (names: --list)")
 
 
 def parse(argv: list[str]):
-    parser = argparse.ArgumentParser(
-        description="hybrid2d trainer: settings are --section.field value (see --help-config)",
-        allow_abbrev=False,
-    )
-    parser.add_argument("--recipe", default="llama-debug", help="a name from --list")
-    parser.add_argument("--list", action="store_true", help="list the recipes and exit")
-    parser.add_argument(
-        "--help-config",
-        action="store_true",
-        help="print every setting of the recipe with its value and exit",
-    )
+    """(--recipe / --list / --help-config / --help, the settings left for apply_overrides)."""
+    parser = _Parser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--recipe", default="llama-debug")
+    parser.add_argument("--list", action="store_true")
+    parser.add_argument("--help-config", action="store_true")
+    parser.add_argument("-h", "--help", action="store_true")
     args, rest = parser.parse_known_args(argv)
     return args, rest
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, rest = parse(sys.argv[1:] if argv is None else argv)
     rank = int(os.environ.get("RANK", 0))
     try:
+        args, rest = parse(sys.argv[1:] if argv is None else argv)
         if args.list:
             print(recipes.table())
             return 0
         cfg = recipes.get(args.recipe)
+        if args.help:
+            print_help(cfg, prog="recipes/llama.py", description=DESCRIPTION)
+            return 0
         set_on_cli = apply_overrides(cfg, rest)
         if args.help_config:
             print(describe(cfg))
             return 0
+        cfg.check_settings()
         from hybrid2d.trainer import run
 
         run(cfg, set_on_cli)

@@ -123,3 +123,242 @@ def test_published_shapes_fit_tp8():
     for name in ("llama3.1-8b", "llama3.1-70b"):
         cfg = recipes.get(name)
         assert cfg.validate(64) == (1, 8, 8)
+
+
+# ---- the command line through tyro: every setting, its range, one error line -----------------
+
+import importlib.util  # noqa: E402
+import math  # noqa: E402
+import typing  # noqa: E402
+
+from hybrid2d import config as config_mod  # noqa: E402
+from hybrid2d.config import LIMITS, setting_names  # noqa: E402
+
+
+def _load_recipe_main():
+    spec = importlib.util.spec_from_file_location("recipe_llama", REPO / "recipes" / "llama.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+recipe_main = _load_recipe_main()
+
+
+def _kinds() -> dict[str, object]:
+    cfg = JobConfig()
+    out = {}
+    for name in setting_names(cfg):
+        section, field_name = name.split(".")
+        out[name] = typing.get_type_hints(type(getattr(cfg, section)))[field_name]
+    return out
+
+
+def _main_error(capsys, monkeypatch, *args) -> str:
+    """Run recipes/llama.py's main in this process; it must exit 2 with one `error:` line."""
+    monkeypatch.delenv("RANK", raising=False)
+    code = recipe_main(list(args))
+    out, err = capsys.readouterr()
+    assert code == 2, (out, err)
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def test_every_number_setting_has_a_range():
+    numbers = {n for n, k in _kinds().items() if k in (int, float)}
+    assert numbers == set(LIMITS), numbers ^ set(LIMITS)
+
+
+def _bad_values() -> list[tuple[str, str]]:
+    """(setting, value) pairs that must each be refused: non-finite floats, values just
+    outside each range, the examples the issue names."""
+    out = []
+    for name, kind in _kinds().items():
+        if kind is float:
+            out += [(name, "nan"), (name, "inf"), (name, "-inf")]
+        limit = LIMITS.get(name)
+        if limit is not None and limit.lo is not None:
+            below = limit.lo - (1 if kind is int else 1e-3) if not limit.lo_open else limit.lo
+            if below not in limit.also:
+                out.append((name, str(below)))
+        if limit is not None and limit.hi is not None:
+            above = limit.hi if limit.hi_open else limit.hi + (1 if kind is int else 1e-3)
+            out.append((name, str(above)))
+    out += [
+        ("train.lr", "0"),
+        ("train.lr", "-3e-4"),
+        ("train.grad_clip", "-1"),
+        ("train.beta1", "1.0"),
+        ("train.beta2", "-0.1"),
+        ("train.weight_decay", "-0.1"),
+        ("train.min_lr_ratio", "1.5"),
+        ("train.warmup_steps", "-1"),
+        ("train.steps", "0"),
+        ("parallel.timeout_s", "0"),
+        ("parallel.dp_shard", "-2"),
+        ("train.steps", "1.5"),
+        ("train.lr", "fast"),
+        ("parallel.tp", "two"),
+    ]
+    return out
+
+
+@pytest.mark.parametrize("name, value", _bad_values())
+def test_bad_number_is_one_line_exit_2(capsys, monkeypatch, name, value):
+    line = _main_error(capsys, monkeypatch, "--" + name, value)
+    shown = [value] + ([str(float(value))] if value.replace(".", "").lstrip("-").isdigit() else [])
+    shown += [str(float(value))] if "e" in value else []
+    assert name in line and any(s in line for s in shown), line
+
+
+def test_bad_number_in_a_recipe_is_one_line_before_training(capsys, monkeypatch):
+    cfg = recipes.get("llama-debug")
+    cfg.train.lr = math.nan
+    with pytest.raises(
+        ConfigError, match=r"^train\.lr=nan is not a finite number; use a value > 0$"
+    ):
+        cfg.validate(1)
+
+
+@pytest.mark.parametrize(
+    "name", [n for n, k in _kinds().items() if typing.get_origin(k) is typing.Literal]
+)
+def test_enumerated_settings_name_their_choices(capsys, monkeypatch, name):
+    choices = typing.get_args(_kinds()[name])
+    line = _main_error(capsys, monkeypatch, f"--{name}", "bogus")
+    assert f"{name}='bogus'" in line and all(repr(c) in line for c in choices), line
+
+
+@pytest.mark.parametrize(
+    "args, expect",
+    [
+        (["--train.stepz", "5"], "did you mean --train.steps?"),
+        (["--parallel.mixed_precison", "bf16"], "did you mean --parallel.mixed_precision?"),
+        (["--train.lr"], "--train.lr needs a value"),
+        (["train.lr", "1"], "unexpected argument 'train.lr'"),
+        (["--recipe"], "--recipe"),
+        (["--parallel.compile", "maybe"], "parallel.compile='maybe' is not true or false"),
+    ],
+)
+def test_cli_mistakes_are_one_line(capsys, monkeypatch, args, expect):
+    assert expect in _main_error(capsys, monkeypatch, *args)
+
+
+def test_booleans_take_true_false_and_bare_flags():
+    cfg = JobConfig()
+    assert cfg.parallel.reshard_after_forward and not cfg.parallel.compile
+    changed = apply_overrides(
+        cfg,
+        [
+            "--parallel.reshard_after_forward",
+            "false",
+            "--parallel.compile",
+            "--metrics.tensorboard=False",
+            "--checkpoint.async_save",
+            "TRUE",
+        ],
+    )
+    assert changed == {
+        "parallel.reshard_after_forward",
+        "parallel.compile",
+        "metrics.tensorboard",
+        "checkpoint.async_save",
+    }
+    p = cfg.parallel
+    assert (p.reshard_after_forward, p.compile) == (False, True)
+    assert (cfg.metrics.tensorboard, cfg.checkpoint.async_save) == (False, True)
+
+
+def test_overrides_keep_the_recipe_values_they_do_not_name():
+    cfg = recipes.get("llama3.1-8b")
+    before = cfg.to_dict()
+    assert apply_overrides(cfg, ["--train.steps", "7", "--parallel.dp_shard", "-1"]) == {
+        "train.steps",
+        "parallel.dp_shard",
+    }
+    after = cfg.to_dict()
+    assert after["train"].pop("steps") == 7 and before["train"].pop("steps") == 1000
+    assert after == before
+
+
+def test_help_lists_every_setting_with_help_and_recipe_default(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")  # one column of settings
+    assert recipe_main(["--recipe", "llama3.1-8b", "--help"]) == 0
+    text = capsys.readouterr().out
+    cfg = recipes.get("llama3.1-8b")
+    blocks: dict[str, str] = {}
+    current = None
+    for raw in text.splitlines():
+        line = raw.strip(" │")
+        if line.startswith("--"):
+            current = line.split()[0]
+            blocks[current] = line
+        elif current:
+            blocks[current] += " " + line
+    for name in setting_names(cfg):
+        section, field_name = name.split(".")
+        block = blocks.get("--" + name)
+        assert block is not None, f"--{name} missing from --help"
+        value = getattr(getattr(cfg, section), field_name)
+        shown = next(
+            (f"(default: {v})" for v in (value, repr(value)) if f"(default: {v})" in block), None
+        )
+        assert shown, block
+        helptext = block.split(maxsplit=2)[-1].replace(shown, "").strip()
+        assert len(helptext) > 3, f"--{name} has no help text: {block!r}"
+    assert "{auto,bf16,fp32}" in blocks["--parallel.mixed_precision"]
+
+
+def test_tyro_errors_become_one_config_error(capsys):
+    with pytest.raises(ConfigError) as e:
+        config_mod._tyro(JobConfig(), ["--train.steps=x"])
+    assert "\n" not in str(e.value) and "train.steps" in str(e.value)
+    assert capsys.readouterr() == ("", "")
+
+
+# ---- config.json: unknown keys, retired keys ------------------------------------------------
+
+
+def test_from_dict_round_trips():
+    cfg = recipes.get("llama3.1-70b")
+    assert JobConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize(
+    "d, expect",
+    [
+        ({"parallel": {"tpp": 2}}, r"'parallel\.tpp'.*closest valid one is 'parallel\.tp'"),
+        ({"trian": {"lr": 0.1}}, r"'trian'.*closest valid one is 'train'"),
+        ({"train": {"lr": "fast"}}, r"train\.lr='fast' is not a number"),
+        ({"train": {"optimizer": "adam"}}, r"train\.optimizer='adam' is not one of"),
+        ({"train": 3}, r"section 'train'"),
+    ],
+)
+def test_from_dict_rejects_unknown_or_mistyped_keys(d, expect):
+    with pytest.raises(ConfigError, match=expect) as e:
+        JobConfig.from_dict(d)
+    assert "\n" not in str(e.value)
+
+
+def test_from_dict_accepts_retired_keys_of_old_checkpoints():
+    old = JobConfig().to_dict()
+    for key in config_mod.RETIRED_KEYS:
+        section, name = key.split(".")
+        old[section][name] = False
+    cfg = JobConfig.from_dict(old)  # no error whether or not the fields still exist
+    for key in config_mod.RETIRED_KEYS:
+        section, name = key.split(".")
+        assert getattr(getattr(cfg, section), name, False) is False
+
+
+def test_retired_key_after_its_field_is_gone(monkeypatch, capsys):
+    """What happens once a retired field is removed (simulated with a name that never was)."""
+    monkeypatch.setattr(config_mod, "RETIRED_KEYS", (*config_mod.RETIRED_KEYS, "train.old_knob"))
+    d = JobConfig().to_dict()
+    d["train"]["old_knob"] = 3
+    assert JobConfig.from_dict(d) == JobConfig()
+    line = _main_error(capsys, monkeypatch, "--train.old_knob", "3")
+    assert "--train.old_knob was removed" in line
