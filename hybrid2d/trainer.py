@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -11,9 +10,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 from hybrid2d.config import ConfigError, JobConfig
 from hybrid2d.mesh import (
@@ -31,7 +27,7 @@ from hybrid2d.metrics import MetricsWriter, flops_per_token, peak_memory_bytes
 from hybrid2d.models.llama import Llama
 from hybrid2d.optim import build_optimizer, build_scheduler, clip_grad_norm
 from hybrid2d.parallel import parallelize
-from hybrid2d.parallel.sequence_comm import vocab_parallel_cross_entropy
+from hybrid2d.parallel.loss import cross_entropy
 from hybrid2d.parallel.shm_comm import apply_shm_collectives
 from hybrid2d.preemption import Preemption
 from hybrid2d.profiling.profiler import MemoryProfiler
@@ -65,15 +61,6 @@ def build_model(cfg: JobConfig, mesh: Mesh) -> Llama:
     return model
 
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean token loss; with vocab-sharded DTensor logits this runs under loss_parallel."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
-
-
-def _local_scalar(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 @dataclass
 class StepResult:
     step: int
@@ -100,20 +87,10 @@ class Trainer:
         self.step = 0
         self.skipped_steps: list[int] = []  # steps whose update was skipped (non-finite)
 
-    def _loss_context(self):
-        return loss_parallel() if self.mesh.tp > 1 else contextlib.nullcontext()
-
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float):
-        group = self.model.sp_group  # direct_sp_comm: local vocab-split logits
-        if group is not None:
-            logits = self.model(inputs).to_local()
-            loss = vocab_parallel_cross_entropy(logits, labels, group)
-            (loss * scale).backward()
-            return loss.detach()
-        with self._loss_context():
-            loss = cross_entropy(self.model(inputs), labels)
-            (loss * scale).backward()
-        return _local_scalar(loss.detach())
+        loss = cross_entropy(self.model(inputs), labels)
+        (loss * scale).backward()
+        return loss.detach()
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
         """Forward/backward over this dp rank's micro batches, clip, step.
@@ -325,4 +302,4 @@ def format_summary(s: dict) -> str:
     )
 
 
-__all__ = ["Trainer", "build_model", "run", "cross_entropy", "ConfigError"]
+__all__ = ["Trainer", "build_model", "run", "ConfigError"]

@@ -16,18 +16,8 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from hybrid2d.config import ModelConfig
-from hybrid2d.parallel.activation_checkpoint import output_not_kept, selective_context
-from hybrid2d.parallel.sequence_comm import (
-    gather_sequence,
-    reduce_scatter_sequence,
-    sum_grad_over_group,
-    vocab_parallel_embedding,
-)
-from hybrid2d.parallel.shm_comm import transport_for
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -55,6 +45,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm: normalise in fp32, cast back, then scale."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -62,45 +59,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        weight = self.weight
-        if isinstance(weight, DTensor) and not isinstance(x, DTensor):
-            # Sequence parallel on plain tensors (parallel.local_norms): this rank normalises its
-            # slice of the sequence, so its weight gradient is a partial sum over tp ranks.
-            mesh = weight.device_mesh
-            group = mesh.get_group(mesh.ndim - 1)
-            if transport_for(group) is not None:  # summed by shared memory in backward
-                weight = weight.to_local(grad_placements=[Replicate()] * mesh.ndim)
-                weight = sum_grad_over_group(weight, group)
-            else:
-                weight = weight.to_local(grad_placements=[Partial()] * mesh.ndim)
-        return weight * x32.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A parameter's local shard (a plain tensor stays as it is)."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def fused_linear(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
-    """x @ [W1; W2; ...]^T as one matmul over the local shards, split back per projection.
-
-    Under column-parallel TP each weight is Shard(0): its local rows are this rank's heads (or
-    ffn slice), so concatenating local shards is the fused local weight. A replicated DTensor
-    input becomes a plain tensor whose gradient is a partial sum over tp ranks (each rank only
-    back-propagates through its own heads), which is exactly what the reduce-scatter in
-    backward expects.
-    """
-    weights = [_local(lin.weight) for lin in linears]
-    if isinstance(x, DTensor):
-        x = x.to_local(grad_placements=[Partial()] * x.device_mesh.ndim)
-    out = F.linear(x, torch.cat(weights))
-    return out.split([w.shape[0] for w in weights], dim=-1)
 
 
 class Attention(nn.Module):
@@ -108,40 +70,23 @@ class Attention(nn.Module):
         super().__init__()
         hd = cfg.head_dim
         self.head_dim = hd
-        # One matmul for q, k and v instead of three (parallel.fused_projections).
-        self.fused = False
-        # Set by apply_tp with parallel.direct_sp_comm: x arrives as a sequence shard and the
-        # block gathers / reduce-scatters it itself (parallel/sequence_comm.py).
-        self.sp_group = None
         self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=False)
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.sp_group is not None:
-            x = gather_sequence(x, self.sp_group)
         bsz, seq, _ = x.shape
-        # -1 heads: under tensor parallelism these are this rank's heads only.
-        if self.fused:
-            q, k, v = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj))
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(bsz, seq, -1, self.head_dim).transpose(1, 2)
-        k = k.view(bsz, seq, -1, self.head_dim).transpose(1, 2)
-        v = v.view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        # -1 heads: with column-parallel projections these are this rank's heads only.
+        q = self.q_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
         )
-        out = out.transpose(1, 2).reshape(bsz, seq, -1)
-        if self.sp_group is not None:  # row-parallel o_proj by hand: local matmul, then sum
-            with output_not_kept():
-                partial = F.linear(out, _local(self.o_proj.weight))
-            return reduce_scatter_sequence(partial, self.sp_group)
-        with output_not_kept():
-            return self.o_proj(out)
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
 class MLP(nn.Module):
@@ -150,23 +95,9 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
-        self.fused = False  # gate and up as one matmul (parallel.fused_projections)
-        self.sp_group = None  # as in Attention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sp_group is not None:
-            x = gather_sequence(x, self.sp_group)
-        if self.fused:
-            gate, up = fused_linear(x, (self.gate_proj, self.up_proj))
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        hidden = F.silu(gate) * up
-        if self.sp_group is not None:
-            with output_not_kept():
-                partial = F.linear(hidden, _local(self.down_proj.weight))
-            return reduce_scatter_sequence(partial, self.sp_group)
-        with output_not_kept():
-            return self.down_proj(hidden)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -204,14 +135,6 @@ class Llama(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # Not persistent: HF's state dict has no rotary buffer either.
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-        # Recompute each block's activations in backward instead of keeping them (see
-        # parallel/activation_checkpoint.py).
-        self.activation_checkpoint = "none"
-        # parallel.direct_sp_comm: the tp process group. Embedding and output projection then
-        # run on local vocabulary shards and forward returns [b, s, vocab/tp] local logits for
-        # parallel.sequence_comm.vocab_parallel_cross_entropy.
-        self.sp_group = None
-        self.sp_mesh = None
 
     def tie_weights(self) -> None:
         """Re-point lm_head at the embedding (after parallelisation replaced either)."""
@@ -225,27 +148,13 @@ class Llama(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self.sp_group is not None:
-            weight = _local(self.model.embed_tokens.weight)
-            h = vocab_parallel_embedding(tokens, weight, self.sp_group)
-        else:
-            h = self.model.embed_tokens(tokens)
-        # Under sequence parallelism h is this rank's slice of the sequence, but attention sees
-        # the whole sequence, so RoPE tables are sized from the tokens.
+        h = self.model.embed_tokens(tokens)
+        # RoPE tables for the whole sequence: attention always sees all of it, even when h
+        # between blocks is a slice of it (sequence parallelism).
         cos, sin = self.rope(tokens.shape[1], h.dtype)
-        ac = self.activation_checkpoint
         for layer in self.model.layers:
-            if ac in ("full", "selective") and torch.is_grad_enabled():
-                context = selective_context if ac == "selective" else noop_context_fn
-                h = checkpoint(layer, h, cos, sin, use_reentrant=False, context_fn=context)
-            else:
-                h = layer(h, cos, sin)
-        h = self.model.norm(h)
-        if self.sp_group is not None:
-            logits = F.linear(gather_sequence(h, self.sp_group), _local(self.lm_head.weight))
-            # The same DTensor (sharded on the vocabulary) that the DTensor path returns.
-            return DTensor.from_local(logits, self.sp_mesh, [Shard(-1)], run_check=False)
-        return self.lm_head(h)
+            h = layer(h, cos, sin)
+        return self.lm_head(self.model.norm(h))
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

@@ -1,7 +1,8 @@
-"""Parallelisation of a meta-device `Llama`, applied in a fixed order.
+"""Parallelisation of a meta-device `Llama`, applied from outside in a fixed order.
 
-1. tensor parallelism over tp (DTensor), 2. activation checkpointing, 3. torch.compile per block,
-4. FSDP2 over dp (which must see the TP DTensors to shard them a second time).
+1. tensor parallelism over tp (`tensor_parallel.llama_tp_plan`: every tp collective),
+2. activation checkpointing per block, 3. torch.compile per block, 4. FSDP2 over dp (which must
+see the TP DTensors to shard them a second time).
 """
 
 from __future__ import annotations
@@ -16,11 +17,7 @@ from hybrid2d.parallel.tensor_parallel import apply_tp
 
 
 def parallelize(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig) -> nn.Module:
-    apply_tp(model, mesh.tp_mesh, pcfg.local_norms, pcfg.direct_sp_comm)
-    for block in model.model.layers:
-        # Direct SP communication works on local shards, which is what the fused path uses.
-        fused = pcfg.fused_projections or pcfg.direct_sp_comm
-        block.self_attn.fused = block.mlp.fused = fused
+    apply_tp(model, mesh.tp_mesh)
     apply_ac(model, pcfg.activation_checkpoint)
     if pcfg.compile:
         for block in model.model.layers:

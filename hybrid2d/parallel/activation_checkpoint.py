@@ -1,7 +1,8 @@
 """Activation checkpointing per transformer block: none, full, or selective.
 
-Done by the model's forward (torch.utils.checkpoint around each block) rather than by wrapping
-modules, so parameter names stay those of HF `LlamaForCausalLM`.
+Applied from outside: each block's `forward` is replaced by torch.utils.checkpoint around the
+original one. No wrapper module is inserted, so parameter names stay those of HF
+`LlamaForCausalLM`, and FSDP2's hooks (on the block's `__call__`) run outside the checkpoint.
 
 full keeps only each block's input and recomputes the whole block in backward, communication
 included. selective keeps the outputs of the expensive ops (matmuls, attention, collectives)
@@ -18,7 +19,12 @@ import threading
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
 
 MODES = ("none", "full", "selective")
 
@@ -27,7 +33,6 @@ MODES = ("none", "full", "selective")
 def _saved_ops() -> frozenset:
     aten, funcol = torch.ops.aten, torch.ops._c10d_functional
     import hybrid2d.parallel.shm_comm  # noqa: F401  (registers torch.ops.hybrid2d)
-
     ops = [
         aten.mm.default,
         aten.addmm.default,
@@ -74,4 +79,17 @@ def selective_context():
 
 
 def apply_ac(model: nn.Module, mode: str) -> None:
-    model.activation_checkpoint = mode
+    """Checkpoint every transformer block of `model.model.layers` (mode none: nothing)."""
+    if mode not in MODES:
+        raise ValueError(f"activation checkpointing {mode!r} is not one of {MODES}")
+    if mode == "none":
+        return
+    context = selective_context if mode == "selective" else noop_context_fn
+    for block in model.model.layers:
+        block.forward = functools.partial(_checkpointed, block.forward, context)
+
+
+def _checkpointed(forward, context, *args, **kwargs):
+    if not torch.is_grad_enabled():  # evaluation: nothing to keep or recompute
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=context, **kwargs)

@@ -421,8 +421,8 @@ def apply_shm_collectives(model, mesh, setting: str, activation_bytes: int, time
     if setting == "off" or mesh.device.type != "cpu" or dist.get_backend() != "gloo":
         return None
     groups = []
-    if mesh.tp > 1 and getattr(model, "sp_group", None) is not None:
-        groups.append(("tp", model.sp_group, activation_bytes))
+    if mesh.tp > 1:
+        groups.append(("tp", mesh.tp_mesh.get_group(), activation_bytes))
     if mesh.dp_shard > 1:
         slot = _largest_fsdp_reduce_bytes(model, mesh.dp_shard)
         groups.append(("dp_shard", mesh.mesh["dp_shard"].get_group(), slot))

@@ -41,15 +41,17 @@ against, `measure.MemoryTracker` on CPU (tests/test_memory.py).
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import functools
 import math
 import re
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
-from hybrid2d.config import ConfigError, JobConfig, ModelConfig
+from hybrid2d.config import ConfigError, JobConfig, ModelConfig, resolve_mixed_precision
+from hybrid2d.models.llama import Llama
+from hybrid2d.parallel.tensor_parallel import llama_tp_plan
 
 GiB = 2**30
 
@@ -102,16 +104,6 @@ class ParamInfo:
     unit: int  # FSDP unit: block index, or -1 for the root
 
 
-def _tp_dim(module: nn.Module, style) -> int | None:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    if isinstance(style, ColwiseParallel):
-        return 1 if isinstance(module, nn.Embedding) else 0
-    if isinstance(style, RowwiseParallel):
-        return 0 if isinstance(module, nn.Embedding) else 1
-    return None  # SequenceParallel, PrepareModuleInput: parameters replicated
-
-
 def model_params(m: ModelConfig) -> list[ParamInfo]:
     """Every parameter of the model with its tp split and FSDP unit, from a meta-device model
     and the TP plans the trainer applies (tied embeddings appear once)."""
@@ -120,32 +112,24 @@ def model_params(m: ModelConfig) -> list[ParamInfo]:
 
 @functools.lru_cache(maxsize=16)
 def _model_params(key: tuple) -> tuple[ParamInfo, ...]:
-    from hybrid2d.models.llama import Llama
-
     m = ModelConfig(**dict(key))
-    from hybrid2d.parallel.tensor_parallel import llama_block_plan, llama_root_plan
-
     with torch.device("meta"):
         model = Llama(m)
-    styles: dict[str, object] = dict(llama_root_plan())
-    for i in range(m.n_layers):
-        for path, style in llama_block_plan().items():
-            styles[f"model.layers.{i}.{path}"] = style
+    plan = llama_tp_plan()
     out = []
     for name, p in model.named_parameters():
         module_path = name.rsplit(".", 1)[0]
-        module = model.get_submodule(module_path)
-        style = styles.get(module_path)
+        # The plan's own patterns (`*` for the block index) decide the split, as at run time.
+        styles = [st for pattern, st in plan.items() if _matches(module_path, pattern)]
+        tp_dim = styles[0].shard_dim if styles else None
         match = re.match(r"model\.layers\.(\d+)\.", name)
-        out.append(
-            ParamInfo(
-                name,
-                tuple(p.shape),
-                _tp_dim(module, style) if style is not None else None,
-                int(match.group(1)) if match else -1,
-            )
-        )
+        out.append(ParamInfo(name, tuple(p.shape), tp_dim, int(match.group(1)) if match else -1))
     return tuple(out)
+
+
+def _matches(path: str, pattern: str) -> bool:
+    atoms, parts = pattern.split("."), path.split(".")
+    return len(atoms) == len(parts) and all(map(fnmatch.fnmatch, parts, atoms))
 
 
 def tp_local_shape(p: ParamInfo, tp: int) -> tuple[int, ...]:
@@ -166,8 +150,8 @@ def fsdp_shard(local: tuple[int, ...], dp_shard: int, shard_rank: int) -> tuple[
 
 
 def compute_dtype_bytes(cfg: JobConfig, target: str) -> int:
-    mp = cfg.parallel.mixed_precision
-    return 2 if mp == "bf16" or (mp == "auto" and target == "cuda") else 4
+    """Bytes per element of gathered parameters and activations on `target` (cuda or cpu)."""
+    return 2 if resolve_mixed_precision(cfg.parallel.mixed_precision, target) == "bf16" else 4
 
 
 @dataclass
@@ -249,12 +233,6 @@ def estimate(cfg: JobConfig, mesh: MeshShape, rank: int = 0, target: str = "cuda
         "attention output": N * heads * hd * c + b * heads * S * 4,
         "MLP": 4 * N * ffn * c,
     }
-    if getattr(p, "fused_projections", False):
-        # One matmul for q/k/v and one for gate/up: the concatenated weights are saved for
-        # backward, and the fused q/k/v output stays alive through its v slice.
-        terms["fused projections"] = (
-            N * (heads + kv) * hd * c + ((heads + 2 * kv) * hd * D + 2 * ffn * D) * c
-        )
     block = sum(terms.values())
     ckpt = Nl * D * c
     if p.activation_checkpoint == "full":
@@ -374,13 +352,3 @@ def estimate(cfg: JobConfig, mesh: MeshShape, rank: int = 0, target: str = "cuda
         micro_batches=n_micro,
         seq_len=S,
     )
-
-
-def parse_bytes(text: str) -> int:
-    """'80GiB', '80GB', '80G', '81920MiB', '1.5TiB' -> bytes, binary units throughout (G, GB and
-    GiB all mean 2**30, as accelerator memory is quoted)."""
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
-    if not match:
-        raise ConfigError(f"--device-memory {text!r} is not a size like 80GiB or 141GB")
-    value, unit = float(match.group(1)), match.group(2)
-    return int(value * 2 ** (10 * " kmgt".index(unit or " ")))
