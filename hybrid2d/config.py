@@ -100,13 +100,6 @@ class ParallelConfig:
     activation_checkpoint: Literal["none", "full", "selective"] = "none"
     # torch.compile each transformer block.
     compile: bool = False
-    # q/k/v and gate/up as one local matmul each (same parameters, same HF names).
-    fused_projections: bool = True
-    # Sequence-parallel norms on plain local tensors instead of DTensors (fewer dispatches).
-    local_norms: bool = True
-    # Blocks gather / reduce-scatter the sequence with plain collectives instead of DTensor
-    # redistributions (implies fused projections and local norms inside blocks).
-    direct_sp_comm: bool = True
     # CPU only: tp and FSDP collectives among ranks of one host through shared memory instead
     # of gloo's loopback TCP. auto: where possible; on: an error where not possible; off.
     shm_collectives: Literal["auto", "on", "off"] = "auto"

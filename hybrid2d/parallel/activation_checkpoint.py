@@ -33,6 +33,7 @@ MODES = ("none", "full", "selective")
 def _saved_ops() -> frozenset:
     aten, funcol = torch.ops.aten, torch.ops._c10d_functional
     import hybrid2d.parallel.shm_comm  # noqa: F401  (registers torch.ops.hybrid2d)
+
     ops = [
         aten.mm.default,
         aten.addmm.default,

@@ -61,4 +61,3 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         g.scatter_add_(-1, safe.unsqueeze(-1), -owned.unsqueeze(-1).to(g.dtype))
         g.mul_(grad / safe.numel())
         return g, None, None
-
