@@ -11,7 +11,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hybrid2d.checkpoint.dcp import Checkpointer, find_resume
+from hybrid2d.checkpoint.hf import adopt_source_model, describe_load, load_pretrained
 from hybrid2d.config import ConfigError, JobConfig
+from hybrid2d.data import build_data
 from hybrid2d.mesh import (
     Mesh,
     apply_launcher_settings,
@@ -42,8 +45,6 @@ def build_model(cfg: JobConfig, mesh: Mesh) -> Llama:
     model.to_empty(device=mesh.device)
     model.tie_weights()
     if cfg.checkpoint.init_from:
-        from hybrid2d.checkpoint.hf import describe_load, load_pretrained
-
         # hf:PATH / dcp:PATH: each rank reads its own shards; also recomputes the RoPE buffer.
         print0(describe_load(load_pretrained(model, cfg.checkpoint.init_from)))
     else:
@@ -173,8 +174,6 @@ def run(cfg: JobConfig, set_on_cli: frozenset[str] | set[str] = frozenset()) -> 
     """Validate, start the process group, train, summarise, shut down. Returns the summary."""
     apply_launcher_settings(cfg, set(set_on_cli))
     if cfg.checkpoint.init_from:  # the model shape comes from the checkpoint (checked early)
-        from hybrid2d.checkpoint.hf import adopt_source_model
-
         adopt_source_model(cfg, set(set_on_cli))
     _, world, _, _ = world_from_env()
     dp_rep, dp_shard, tp = cfg.validate(world)
@@ -190,8 +189,6 @@ def run(cfg: JobConfig, set_on_cli: frozenset[str] | set[str] = frozenset()) -> 
 
 
 def _train(cfg: JobConfig, mesh: Mesh) -> dict:
-    from hybrid2d.checkpoint.dcp import Checkpointer, find_resume
-    from hybrid2d.data import build_data
 
     torch.manual_seed(cfg.train.seed)
     run_dir = _prepare_run_dir(cfg)

@@ -28,6 +28,7 @@ from torch import nn
 
 from hybrid2d.checkpoint.hf_safetensors import CheckpointError, HFCheckpoint
 from hybrid2d.config import JobConfig, ModelConfig
+from hybrid2d.models.llama import Llama, rope_inv_freq
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -213,7 +214,6 @@ def check_model_config(ckpt: ModelConfig, model: ModelConfig, source: str, what:
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF parameter name -> shape for this config, in the model's order. With tied embeddings
     lm_head.weight is left out (it is model.embed_tokens.weight)."""
-    from hybrid2d.models.llama import Llama
 
     with torch.device("meta"):
         model = Llama(cfg)
@@ -355,7 +355,6 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 
 def _recompute_buffers(model: nn.Module) -> None:
     """Buffers are not in checkpoints (HF has none either): the RoPE table is recomputed."""
-    from hybrid2d.models.llama import rope_inv_freq
 
     model.inv_freq.copy_(rope_inv_freq(model.cfg).to(model.inv_freq.device))
 

@@ -28,6 +28,7 @@ import torch
 
 from hybrid2d.checkpoint.hf import (
     check_tensor_names,
+    config_mismatch,
     hf_config_from_model,
     model_config_from_hf,
     read_dcp_model_metadata,
@@ -284,8 +285,6 @@ def _export_hf_config(src: str, found: dict) -> tuple[ModelConfig, dict | None]:
             hf = json.load(f)
         cfg = model_config_from_hf(hf, hf_path)
         if saved is not None:
-            from hybrid2d.checkpoint.hf import config_mismatch
-
             bad = config_mismatch(cfg, saved)
             if bad:
                 name, key, a, b = bad

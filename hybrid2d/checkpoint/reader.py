@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from hybrid2d.checkpoint import layout
 from hybrid2d.config import ConfigError, JobConfig, ModelConfig
+from hybrid2d.models.llama import Llama
 
 MODEL = "model"  # top-level keys of the saved state (shared with the HF converter)
 OPTIMIZER = "optimizer"
@@ -78,7 +79,6 @@ def is_training_checkpoint(meta: Metadata) -> bool:
 
 def expected_model_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Full (unsharded) shape of every state-dict tensor of a Llama of this shape; no memory."""
-    from hybrid2d.models.llama import Llama
 
     with torch.device("meta"):
         model = Llama(m)

@@ -15,8 +15,10 @@ from pathlib import Path
 import torch
 
 from hybrid2d.checkpoint import integrity, layout
+from hybrid2d.checkpoint.hf import model_config_from_hf
+from hybrid2d.checkpoint.hf_safetensors import HFCheckpoint
 from hybrid2d.checkpoint.reader import iter_model_tensors, read_config, read_metadata
-from hybrid2d.config import ConfigError, ModelConfig
+from hybrid2d.config import ConfigError, JobConfig, ModelConfig
 from hybrid2d.models.llama import Llama, rope_inv_freq
 
 HYBRID2D_CONFIG = "hybrid2d_config.json"  # the run's JobConfig, kept next to an export
@@ -57,10 +59,7 @@ def model_config(src: Source) -> ModelConfig:
         return saved.model
     own = src.path / HYBRID2D_CONFIG
     if own.is_file():
-        from hybrid2d.config import JobConfig
-
         return JobConfig.from_dict(json.loads(own.read_text())).model
-    from hybrid2d.checkpoint.hf import model_config_from_hf
 
     try:
         hf = json.loads((src.path / "config.json").read_text())
@@ -73,7 +72,6 @@ def _tensors(src: Source):
     if src.kind == "dcp":
         yield from iter_model_tensors(src.path, read_metadata(src.path))
         return
-    from hybrid2d.checkpoint.hf_safetensors import HFCheckpoint
 
     with HFCheckpoint(str(src.path)) as ckpt:
         for name in ckpt.tensors:

@@ -35,6 +35,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from hybrid2d.metrics import peak_rss_bytes
+
 CATEGORIES = ("parameters", "gradients", "optimizer", "communication", "activations")
 
 
@@ -350,7 +352,6 @@ def measure_step(
     model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int, rank: int = 0
 ):
     """Track one step; yields a list that holds the step's `StepMemory` afterwards."""
-    from hybrid2d.metrics import peak_rss_bytes
 
     result: list[StepMemory] = []
     statics: dict[str, int] = {}

@@ -22,6 +22,10 @@ import sys
 import torch
 import torch.distributed as dist
 
+from hybrid2d.profiling.estimate import MeshShape, estimate
+from hybrid2d.profiling.measure import measure_step
+from hybrid2d.profiling.report import Entry, Report, write
+
 GiB = 2**30
 
 
@@ -54,7 +58,6 @@ class MemoryProfiler:
         if not self.enabled:
             yield
             return
-        from hybrid2d.profiling.measure import measure_step
 
         t = self.trainer
         with measure_step(t.model, t.optimizer, t.step + 1, self.rank) as result:
@@ -78,7 +81,6 @@ class MemoryProfiler:
         return out
 
     def _estimate(self) -> list[dict]:
-        from hybrid2d.profiling.estimate import MeshShape, estimate
 
         m = self.mesh
         shape = MeshShape(m.dp_replicate, m.dp_shard, m.tp)
@@ -119,7 +121,6 @@ class MemoryProfiler:
             dist.barrier()
         if self.rank != 0:
             return None
-        from hybrid2d.profiling.report import Entry, Report, write
 
         measured = load_measured(os.path.dirname(self.dir))
         estimates = self._estimate()
