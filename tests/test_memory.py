@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from hybrid2d.config import ConfigError
-from hybrid2d.profiling.estimate import MeshShape, estimate, parse_bytes
+from hybrid2d.profiling.estimate import MeshShape, estimate
 from hybrid2d.profiling.measure import MemoryTracker, storage_bytes
 from hybrid2d.profiling.report import Entry, Report, html_page, write
+from hybrid2d.sizes import parse_size
 from tests.launch import REPO, check_ok, run_ranks
 
 MESHES = [(4, 1), (2, 2), (1, 4)]
@@ -36,13 +37,13 @@ def test_mesh_and_size_parsing():
     assert MeshShape.parse("8x8") == MeshShape(1, 8, 8)
     assert MeshShape.parse("2x4x8") == MeshShape(2, 4, 8)
     assert MeshShape(2, 4, 8).coords(13) == (0, 1, 5)
-    assert parse_bytes("80GiB") == 80 * 2**30 == parse_bytes("80GB") == parse_bytes("80g")
-    assert parse_bytes("512MiB") == 2**29
+    assert parse_size("80GiB") == 80 * 2**30 and parse_size("80GB") == 80 * 10**9
+    assert parse_size("512MiB") == 2**29
     for bad in ("8", "8x0", "axb"):
         with pytest.raises(ConfigError, match="--mesh"):
             MeshShape.parse(bad)
     with pytest.raises(ConfigError, match="--device-memory"):
-        parse_bytes("lots")
+        parse_size("lots", "--device-memory")
 
 
 def test_fsdp_shard_sizes_follow_torch_chunk():

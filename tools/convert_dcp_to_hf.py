@@ -22,21 +22,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("src", help="DCP checkpoint directory")
     parser.add_argument("dst", help="new directory for the Hugging Face checkpoint")
     parser.add_argument(
-        "--max-shard-size", default="5GB", help="cap per safetensors file (5GB, 500MB, bytes)"
+        "--max-shard-size",
+        default="5GB",
+        help="cap per safetensors file: 5GB (5e9 bytes), 4GiB (4 x 2^30), 500MB, or bytes",
     )
     parser.add_argument("--dtype", default=None, help="cast floating tensors: fp32, bf16, fp16")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
 
     from hybrid2d.checkpoint.hf_convert import convert_dcp_to_hf, parse_dtype
-    from hybrid2d.checkpoint.hf_safetensors import parse_size
     from hybrid2d.config import ConfigError
+    from hybrid2d.sizes import parse_size
 
     try:
         summary = convert_dcp_to_hf(
             args.src,
             args.dst,
-            parse_size(args.max_shard_size),
+            parse_size(args.max_shard_size, "--max-shard-size"),
             parse_dtype(args.dtype),
             progress=not args.no_progress,
         )

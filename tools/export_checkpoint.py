@@ -31,15 +31,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", help="new directory to write")
     p.add_argument("--dtype", default="fp32", help="fp32 (default) or bf16")
     p.add_argument(
-        "--max-shard-size", default="", help="split into files of at most this size (e.g. 5GB)"
+        "--max-shard-size",
+        default="",
+        help="split into files of at most this size (5GB = 5e9 bytes, 4GiB = 4 x 2^30)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
 
     from hybrid2d.checkpoint import layout, standalone
     from hybrid2d.checkpoint.hf_convert import convert_dcp_to_hf, parse_dtype
-    from hybrid2d.checkpoint.hf_safetensors import parse_size
     from hybrid2d.config import ConfigError
+    from hybrid2d.sizes import parse_size
 
     try:
         if args.dtype.lower() not in ("fp32", "float32", "bf16", "bfloat16"):
@@ -51,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         standalone.verify(src.path)
         standalone.model_config(src)  # a checkpoint without config.json fails here, clearly
-        cap = parse_size(args.max_shard_size) if args.max_shard_size else ONE_FILE
+        cap = (
+            parse_size(args.max_shard_size, "--max-shard-size") if args.max_shard_size else ONE_FILE
+        )
         summary = convert_dcp_to_hf(
             str(src.path), args.out, cap, parse_dtype(args.dtype), progress=not args.no_progress
         )

@@ -33,9 +33,9 @@ from hybrid2d.profiling.estimate import (  # noqa: E402
     Estimate,
     MeshShape,
     estimate,
-    parse_bytes,
 )
 from hybrid2d.profiling.report import CATEGORIES, LABELS, Entry, Report, fmt_bytes, write  # noqa: E402
+from hybrid2d.sizes import parse_size  # noqa: E402
 
 # A simulated rank needs its tensors plus the Python/torch process (~0.5 GiB) and slack.
 SIM_MEMORY_FRACTION = 0.6
@@ -50,7 +50,11 @@ def parse(argv: list[str]):
     )
     ap.add_argument("--recipe", default="llama-debug")
     ap.add_argument("--mesh", action="append", default=[], help="DPxTP or RxSxT; repeatable")
-    ap.add_argument("--device-memory", default=None, help="e.g. 80GiB: say which meshes fit")
+    ap.add_argument(
+        "--device-memory",
+        default=None,
+        help="say which meshes fit: 80GiB (80 x 2^30 bytes) or 80GB (80e9)",
+    )
     ap.add_argument(
         "--headroom",
         type=float,
@@ -160,7 +164,9 @@ def run(args, rest: list[str]) -> int:
         meshes = [MeshShape.parse(m) for m in args.mesh]
         run_mesh = None
     apply_overrides(cfg, rest)
-    device_memory = parse_bytes(args.device_memory) if args.device_memory else None
+    device_memory = (
+        parse_size(args.device_memory, "--device-memory") if args.device_memory else None
+    )
     if not 0 <= args.headroom < 1:
         raise ConfigError(f"--headroom {args.headroom} must be in [0, 1)")
 

@@ -340,26 +340,3 @@ def write_safetensors(
             written += s.nbytes
             del t
     return written
-
-
-def parse_size(text: str) -> int:
-    """'5GB', '500MB', '100KB', '2GiB' or a plain byte count -> bytes (HF's convention)."""
-    units = {
-        "gib": 2**30,
-        "mib": 2**20,
-        "kib": 2**10,
-        "gb": 10**9,
-        "mb": 10**6,
-        "kb": 10**3,
-        "b": 1,
-    }
-    low = text.strip().lower()
-    unit = next((u for u in units if low.endswith(u)), "b")
-    number, mult = low.removesuffix(unit).strip(), units[unit]
-    try:
-        value = int(float(number) * mult)
-    except ValueError:
-        raise ConfigError(f"size {text!r} is not a size like 5GB, 500MB or 1048576") from None
-    if value <= 0:
-        raise ConfigError(f"size {text!r} must be positive")
-    return value
