@@ -1,0 +1,516 @@
+"""Measure the machine this runs on, at the model's shapes, into a hardware profile.
+
+What the cost model needs, each measured the way a training step meets it:
+- matmul FLOP/s of one block's GEMMs (q, k, v, o, gate, up, down) and the output
+  projection, forward and both backward products, for each micro batch's token count and tp;
+- attention FLOP/s of SDPA (causal, GQA) forward + backward at the same shapes;
+- the bandwidth the block's elementwise ops reach (norms, residual adds, RoPE, the attention
+  output's re-layout, SiLU x up, forward + backward), in the bytes `model.block_elementwise_bytes`
+  counts, so that the model's count divided by this figure is the measured time;
+- the optimizer: fused AdamW plus clipping, seconds per parameter;
+- collectives (all-gather, reduce-scatter, all-reduce) at the sizes a step uses, inside a node
+  (CPU: the process group the trainer creates, or the shared-memory transport; CUDA: NCCL between
+  two GPUs when there are two) and, on CPU, across nodes (gloo over TCP): latency and bandwidth
+  fitted by least squares over the sizes.
+
+CPU: `procs` processes (default 2) measure at the same time, each with cores/procs threads, as
+ranks do; rates are stored per core (the model gives each rank cores/ranks of them). CUDA: one
+process on one GPU measures the compute figures; links not measured come from the base preset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hybrid2d.config import ConfigError, JobConfig, ModelConfig
+from hybrid2d.planner import model as cost
+from hybrid2d.planner.hardware import KINDS, PRESETS, Hardware, Link, cpu_guess, get, ring_factor
+
+try:  # CPU collectives routed above the process group (older trainers); None where they are not
+    from hybrid2d.parallel import shm_comm
+except ImportError:  # pragma: no cover - depends on the trainer's version
+    shm_comm = None
+
+# Keeps a CPU calibration short: token counts above this are measured at this many tokens
+# (rates flatten well before), and each figure is timed for about MIN_TIME_S.
+CPU_MAX_TOKENS = 2048
+MIN_TIME_S = 0.06
+
+
+def tp_choices(m: ModelConfig, limit: int) -> list[int]:
+    sizes = (m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size)
+    return [t for t in (1, 2, 4, 8) if t <= limit and not any(s % t for s in sizes)]
+
+
+def token_counts(cfg: JobConfig, max_tokens: int | None) -> list[int]:
+    """Tokens of one micro batch for micro batches 1, 2, 4, ... up to the global batch."""
+    out, b = [], 1
+    while b <= cfg.train.global_batch:
+        n = b * cfg.train.seq_len
+        if max_tokens and n > max_tokens:
+            out.append(max_tokens)
+            break
+        out.append(n)
+        b *= 2
+    return sorted(set(out))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(
+    fn, device: torch.device, min_time: float = MIN_TIME_S, max_reps: int = 20, reps: int = 0
+) -> float:
+    """Median seconds per call after one warm-up call: `reps` calls when given (collectives:
+    every rank must make the same number), else at least 3 and about `min_time` in all."""
+    fn()
+    _sync(device)
+    times = []
+    start = time.perf_counter()
+    while (
+        (len(times) < reps)
+        if reps
+        else (len(times) < 3 or (time.perf_counter() - start < min_time and len(times) < max_reps))
+    ):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# ---- compute -------------------------------------------------------------------------------
+
+
+def gemm_shapes(m: ModelConfig, tp: int) -> list[tuple[int, int]]:
+    """(in, out) of one block's GEMMs on a tp rank's weight shards (q, k, v, o, gate, up, down),
+    plus the output projection."""
+    hd = m.head_dim
+    q, kv, ffn = m.n_heads * hd // tp, m.n_kv_heads * hd // tp, m.ffn_dim // tp
+    return [
+        (m.dim, q),
+        (m.dim, kv),
+        (m.dim, kv),
+        (q, m.dim),
+        (m.dim, ffn),
+        (m.dim, ffn),
+        (ffn, m.dim),
+        (m.dim, m.vocab_size // tp),
+    ]
+
+
+def matmul_rate(m: ModelConfig, tokens: int, tp: int, dtype, device) -> float:
+    mats = []
+    flops = 0
+    for k, n in gemm_shapes(m, tp):
+        x = torch.randn(tokens, k, dtype=dtype, device=device)
+        w = torch.randn(n, k, dtype=dtype, device=device)
+        dy = torch.randn(tokens, n, dtype=dtype, device=device)
+        mats.append((x, w, dy))
+        flops += 3 * 2 * tokens * k * n
+
+    def run():
+        for x, w, dy in mats:
+            x @ w.t()  # forward
+            dy @ w  # input gradient
+            dy.t() @ x  # weight gradient
+
+    return flops / timed(run, device)
+
+
+def attention_rate(m: ModelConfig, tokens: int, seq: int, tp: int, dtype, device) -> float:
+    b = max(1, tokens // seq)
+    h, kv, hd = m.n_heads // tp, m.n_kv_heads // tp, m.head_dim
+    q = torch.randn(b, h, seq, hd, dtype=dtype, device=device, requires_grad=True)
+    k = torch.randn(b, kv, seq, hd, dtype=dtype, device=device, requires_grad=True)
+    v = torch.randn(b, kv, seq, hd, dtype=dtype, device=device, requires_grad=True)
+    grad = torch.randn(b, h, seq, hd, dtype=dtype, device=device)
+
+    def run():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=h != kv)
+        out.backward(grad)
+
+    flops = b * seq * 6 * h * hd * seq  # flops_per_token's attention term for these tokens
+    return flops / timed(run, device)
+
+
+def _rms(x, w, eps=1e-5):
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return w * x32.to(x.dtype)
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def elementwise_bandwidth(m: ModelConfig, tokens: int, seq: int, dtype, device) -> float:
+    """Bytes/s of one block's elementwise ops (forward + backward) at tp=1, in the bytes the
+    cost model counts for them (backward as twice the forward)."""
+    b = max(1, tokens // seq)
+    n = b * seq
+    hd = m.head_dim
+
+    def t(*shape):
+        return torch.randn(*shape, dtype=dtype, device=device, requires_grad=True)
+
+    x, z = t(n, m.dim), t(n, m.dim)
+    w1, w2 = t(m.dim), t(m.dim)
+    q, k = t(b, m.n_heads, seq, hd), t(b, m.n_kv_heads, seq, hd)
+    attn = t(b, m.n_heads, seq, hd)
+    gate, up = t(n, m.ffn_dim), t(n, m.ffn_dim)
+    cos = torch.randn(seq, hd, dtype=dtype, device=device)
+    sin = torch.randn(seq, hd, dtype=dtype, device=device)
+
+    def run():
+        h1 = _rms(x, w1)
+        qr = q * cos + _rotate_half(q) * sin
+        kr = k * cos + _rotate_half(k) * sin
+        o = attn.transpose(1, 2).reshape(n, -1)
+        x2 = x + o
+        h2 = _rms(x2, w2)
+        a = F.silu(gate) * up
+        x3 = x2 + z
+        loss = h1.sum() + qr.sum() + kr.sum() + h2.sum() + a.sum() + x3.sum()
+        loss.backward()
+
+    c = torch.tensor([], dtype=dtype).element_size()
+    counted = 3 * sum(cost.block_elementwise_bytes(m, n, 1, c).values())
+    return counted / timed(run, device)
+
+
+def optimizer_seconds_per_param(n_params: int, device) -> float:
+    """Fused AdamW step plus a global-norm clip over `n_params` fp32 parameters."""
+    sizes = [n_params // 4] * 4
+    params = [torch.nn.Parameter(torch.randn(s, device=device)) for s in sizes]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+
+    def run():
+        grads = [p.grad for p in params]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        torch._foreach_mul_(grads, (1.0 / (norm + 1e-6)).clamp(max=1.0))
+        opt.step()
+
+    return timed(run, device) / sum(sizes)
+
+
+# ---- collectives ----------------------------------------------------------------------------
+
+
+def _pg_ops(group):
+    def all_gather(x):
+        out = torch.empty(x.numel() * dist.get_world_size(group), dtype=x.dtype)
+        dist.all_gather_into_tensor(out, x, group=group)
+
+    def reduce_scatter(y):
+        out = torch.empty(y.numel() // dist.get_world_size(group), dtype=y.dtype)
+        dist.reduce_scatter_tensor(out, y, group=group)
+
+    def all_reduce(x):
+        dist.all_reduce(x, group=group)
+
+    return {"all_gather": all_gather, "reduce_scatter": reduce_scatter, "all_reduce": all_reduce}
+
+
+def _intra_ops(group, largest: int):
+    """The collectives ranks of one host use: the shared-memory transport where this version
+    of the trainer routes them above the process group, else the process group itself."""
+    enable = getattr(shm_comm, "enable", None)
+    if enable is None:
+        return _pg_ops(group), "process group"
+    try:
+        transport = enable(group, largest, 60)
+    except Exception as e:  # ShmUnavailable and anything the transport refuses
+        return _pg_ops(group), f"process group (shared memory unavailable: {e})"
+    return (
+        {
+            "all_gather": lambda x: transport.all_gather(x, 0),
+            "reduce_scatter": lambda y: transport.reduce_scatter(y, 0),
+            "all_reduce": lambda x: transport.all_reduce(x, "sum"),
+        },
+        "shared memory",
+    )
+
+
+def measure_link(ops, sizes: list[int], n: int, device) -> dict[str, list[float]]:
+    """{kind: [latency_s, bytes/s]} fitted to time = latency + ring_factor x payload / bw."""
+    out = {}
+    for kind in KINDS:
+        xs, ys = [], []
+        for payload in sizes:
+            numel = max(n, payload // 4 // n * n)
+            x = torch.randn(numel // n if kind == "all_gather" else numel, device=device)
+            dist.barrier()
+            seconds = timed(lambda x=x, op=ops[kind]: op(x), device, reps=7)
+            xs.append(ring_factor(kind, n) * numel * 4)
+            ys.append(seconds)
+        out[kind] = fit_latency_bandwidth(xs, ys)
+    return out
+
+
+def fit_latency_bandwidth(xs: list[float], ys: list[float]) -> list[float]:
+    """Least squares of y = a + x / bw over the points; a >= 0 and bw > 0."""
+    k = len(xs)
+    mx, my = sum(xs) / k, sum(ys) / k
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else 0
+    if slope <= 0:  # flat: the largest point's average rate
+        slope = max(ys) / max(xs)
+    latency = max(0.0, my - slope * mx)
+    return [latency, 1.0 / slope]
+
+
+# ---- the whole calibration --------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_main() -> None:
+    """One calibration process (started by `calibrate` with its arguments in the environment)."""
+    args = json.loads(os.environ["HYBRID2D_CALIBRATE"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cfg = JobConfig.from_dict(args["job"])
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // world)
+    torch.set_num_threads(threads)
+    if args["device"] == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    init, shutdown = _hooks(args.get("init"), args.get("shutdown"))
+    init(args["device"], 300)
+    try:
+        result = _measure(cfg, device, world, threads)
+    finally:
+        shutdown()
+    if rank == 0:
+        with open(args["out"], "w") as f:
+            json.dump(result, f)
+
+
+def _hooks(init: str | None, shutdown: str | None):
+    """The process-group start and end the trainer uses, named "module:function" by the caller
+    (tools/plan.py passes hybrid2d.mesh's), else torch.distributed's defaults."""
+
+    def resolve(spec):
+        module, name = spec.split(":")
+        return getattr(importlib.import_module(module), name)
+
+    def default_init(device_type: str, timeout_s: int) -> None:
+        dist.init_process_group(
+            "nccl" if device_type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s)
+        )
+
+    return (
+        resolve(init) if init else default_init,
+        resolve(shutdown) if shutdown else dist.destroy_process_group,
+    )
+
+
+def _measure(cfg: JobConfig, device: torch.device, world: int, threads: int) -> dict:
+    m, S = cfg.model, cfg.train.seq_len
+    cpu = device.type == "cpu"
+    dtype = torch.float32 if cpu else torch.bfloat16
+    c = 4 if cpu else 2
+    tokens = token_counts(cfg, CPU_MAX_TOKENS if cpu else None)
+    tps = tp_choices(m, 8)
+    per = threads if cpu else 1  # rates per core on CPU
+    started = time.perf_counter()
+    res: dict = {"tokens": tokens, "tps": tps, "threads": threads, "procs": world}
+
+    def together():
+        if dist.is_initialized() and world > 1:
+            dist.barrier()
+
+    res["matmul_table"] = []
+    for tp in tps:
+        for n in tokens:
+            together()
+            rate = matmul_rate(m, n, tp, dtype, device) / per
+            res["matmul_table"].append([n, tp, rate])
+    res["attention_table"] = []
+    for tp in tps:
+        for n in tokens[:3]:
+            together()
+            rate = attention_rate(m, max(n, S), S, tp, dtype, device) / per
+            res["attention_table"].append([max(n, S), tp, rate])
+    res["elementwise_table"] = []
+    for n in tokens[:3]:
+        together()
+        res["elementwise_table"].append(
+            [max(n, S), elementwise_bandwidth(m, max(n, S), S, dtype, device) / per]
+        )
+    together()
+    n_params = min(4_000_000, m.num_params() // max(1, world))
+    res["optimizer_s_per_param"] = optimizer_seconds_per_param(max(n_params, 4096), device) * per
+    res["compute_s"] = time.perf_counter() - started
+    together()
+
+    if world > 1:
+        block, root = cost.unit_bytes(m, world, 1, 4)
+        acts = [n * m.dim * c for n in tokens]
+        largest = max([block, root, *acts])
+        sizes = sorted({min(s, 64 << 20) for s in [*acts, block, root, 1 << 16]})
+        group = dist.group.WORLD
+        ops, how = _intra_ops(group, largest)
+        res["intra"] = measure_link(ops, sizes, world, device)
+        res["intra_how"] = how
+        if cpu:
+            gloo = dist.new_group(backend="gloo")
+            res["inter"] = measure_link(_pg_ops(gloo), sizes, world, device)
+            res["inter_how"] = "gloo over TCP (loopback)"
+        res["collective_sizes"] = sizes
+    res["seconds"] = time.perf_counter() - started
+    return res
+
+
+def calibrate(
+    cfg: JobConfig,
+    device: str = "cpu",
+    base: Hardware | None = None,
+    procs: int | None = None,
+    init: str | None = None,
+    shutdown: str | None = None,
+) -> tuple[Hardware, dict]:
+    """A profile of this machine for `cfg`'s shapes, and the raw measurements. `init` and
+    `shutdown` ("module:function") start and end the process group of the measuring ranks the
+    way the trainer does (default: torch.distributed's)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda, but no CUDA device is visible; use --device cpu")
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device!r} is not one of cpu, cuda")
+    if procs is None:
+        procs = 2 if device == "cpu" else min(2, torch.cuda.device_count())
+    job = dataclasses.asdict(cfg)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "calibration.json")
+        if procs <= 1:
+            _single(job, device, out)
+        else:
+            args = {"job": job, "device": device, "out": out, "init": init, "shutdown": shutdown}
+            _spawn(procs, args)
+        with open(out) as f:
+            raw = json.load(f)
+    return profile_from(raw, cfg, device, base), raw
+
+
+def _spawn(procs: int, args: dict, timeout: float = 600) -> None:
+    """Start `procs` calibration processes as ranks of one host and wait for them."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    port = _free_port()
+    env = dict(os.environ, HYBRID2D_CALIBRATE=json.dumps(args), OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    code = "from hybrid2d.planner.calibrate import _worker_main; _worker_main()"
+    ranks = []
+    for rank in range(procs):
+        env_r = dict(
+            env,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE=str(procs),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(procs),
+        )
+        ranks.append(
+            subprocess.Popen(
+                [sys.executable, "-c", code], env=env_r, stderr=subprocess.PIPE, text=True
+            )
+        )
+    errors = []
+    try:
+        for rank, proc in enumerate(ranks):
+            _, err = proc.communicate(timeout=timeout)
+            if proc.returncode:
+                errors.append(f"rank {rank} exited {proc.returncode}: {err.strip()[-2000:]}")
+    finally:
+        for proc in ranks:
+            if proc.poll() is None:
+                proc.kill()
+    if errors:
+        raise RuntimeError("calibration failed: " + "; ".join(errors))
+
+
+def _single(job: dict, device_type: str, out: str) -> None:
+    cfg = JobConfig.from_dict(job)
+    device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+    threads = os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    with open(out, "w") as f:
+        json.dump(_measure(cfg, device, 1, threads), f)
+
+
+def profile_from(raw: dict, cfg: JobConfig, device: str, base: Hardware | None) -> Hardware:
+    """The measurements as a Hardware profile (links not measured come from `base`)."""
+    cores = os.cpu_count() or 1
+    if device == "cpu":
+        base = base or cpu_guess()
+        best = max(r[2] for r in raw["matmul_table"])
+        hw = dataclasses.replace(
+            base,
+            name="cpu-calibrated",
+            description=f"this host ({cores} cores), calibrated for {cfg.recipe} with "
+            f"{raw['procs']} processes x {raw['threads']} threads",
+            peak_flops=best * cores,
+            memory_bandwidth=max(r[1] for r in raw["elementwise_table"]) * cores,
+            host_cores=cores,
+            comm_overlap=False,
+            sources={
+                "all": f"measured by tools/plan.py --calibrate --device cpu on "
+                f"{time.strftime('%Y-%m-%d')} ({raw['seconds']:.0f} s)",
+                "peak_flops": "the best measured matmul rate per core x cores",
+                "intra": raw.get("intra_how", "not measured"),
+                "inter": raw.get("inter_how", "not measured"),
+            },
+        )
+    else:
+        if base is None:
+            name = torch.cuda.get_device_name().lower()
+            key = next((k for k in PRESETS if k.split("-")[0] in name), "h100")
+            base = get(key)
+        hw = dataclasses.replace(
+            base,
+            name=f"{base.name}-calibrated",
+            description=f"{torch.cuda.get_device_name()} calibrated for {cfg.recipe}; "
+            f"vendor figures and unmeasured links from the {base.name} preset",
+            sources={
+                **base.sources,
+                "matmul_table": "measured (bf16, the model's GEMMs, forward + backward)",
+                "attention_table": "measured (SDPA forward + backward)",
+                "elementwise_table": "measured (the block's elementwise ops)",
+            },
+        )
+    hw.matmul_table = raw["matmul_table"]
+    hw.attention_table = raw["attention_table"]
+    hw.elementwise_table = raw["elementwise_table"]
+    hw.optimizer_s_per_param = raw["optimizer_s_per_param"]
+    if "intra" in raw:
+        hw.intra = Link(bandwidth=max(v[1] for v in raw["intra"].values()), measured=raw["intra"])
+    if "inter" in raw:
+        hw.inter = Link(bandwidth=max(v[1] for v in raw["inter"].values()), measured=raw["inter"])
+    hw.check("calibrated profile")
+    return hw

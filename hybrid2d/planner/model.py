@@ -1,0 +1,455 @@
+"""Predicted step time and memory of one configuration: the project's exact pieces, priced.
+
+The pieces are the project's own, called as they are, never re-derived:
+- memory: `profiling.estimate.estimate` for the same job and mesh (rank 0, the largest shard);
+- collectives: `comm_report.analytic_step` (counts and payload bytes of one step), all-gathers
+  and tp collectives in the compute dtype, FSDP's reduce-scatters in fp32 (its reduce dtype);
+- FLOPs: `metrics.flops_per_token` (the MFU numerator); its attention part is
+  `flops_per_token(m, S) - flops_per_token(m, 0)`.
+
+Priced per rank and per optimizer step (b = micro batch, S = sequence, N = b*S tokens):
+
+    compute   = matmul FLOPs (model + recompute) / achieved matmul rate at (N, tp)
+              + attention FLOPs (model + recompute) / achieved attention rate
+              + elementwise bytes / achieved memory bandwidth
+    tp comm   = sum over tp collectives of latency + ring factor x bytes / intra-node bandwidth,
+                all on the critical path (no async TP); full checkpointing repeats the forward's
+                sequence-parallel gathers and reduce-scatters of every block
+    FSDP comm = the all-gathers (forward, backward re-gather) and reduce-scatters of
+                `analytic_step`, plus HSDP's all-reduce of the gradient shards across replicas,
+                each over the link its group spans (NVLink when the group lies inside a node,
+                else the network); exposed is what compute does not hide: the root's and first
+                block's gathers and the root's reduce-scatter, and per block whatever exceeds
+                that block's compute (all of it on CPU, where copies take the cores compute uses)
+    optimizer = AdamW (or SGD) over the rank's parameter shard plus clipping, memory-bound
+
+Recompute: full checkpointing reruns each block's forward (its matmuls, attention and
+elementwise ops); selective reruns the elementwise ops and the o and down projections (the
+matmuls whose outputs only feed a reduce-scatter, see `parallel/activation_checkpoint.py`).
+
+Elementwise traffic is counted per element of each unfused eager op (bytes read + written):
+RMSNorm (fp32 upcast, square, mean, scale, cast back, weight) on the sequence-parallel [N/tp, dim]
+residual stream, two residual adds, RoPE on q and k, the attention output's re-layout, SiLU and
+the gate x up product; backward is counted as twice the forward; the logits' fp32 cast and cross
+entropy over [N, vocab/tp]; FSDP's copy-in / copy-out of every gathered or reduced buffer.
+This is an approximation (the only one here not checked against a measurement of its own); a
+calibrated profile measures the bandwidth these same ops reach at the model's shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass, field
+
+from hybrid2d.comm_report import analytic_step
+from hybrid2d.config import ConfigError, JobConfig, ModelConfig
+from hybrid2d.metrics import flops_per_token
+from hybrid2d.planner.hardware import Hardware
+from hybrid2d.profiling.estimate import (
+    MeshShape,
+    compute_dtype_bytes,
+    estimate,
+    fsdp_shard,
+    model_params,
+    tp_local_shape,
+)
+
+GiB = 2**30
+DEFAULT_HEADROOM = 0.10
+
+
+@dataclass
+class Candidate:
+    """One configuration with its prediction; the JSON fields of `tools/plan.py --json`."""
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    activation_checkpoint: str
+    micro_batch: int  # samples per forward/backward on a dp rank (the per-rank batch: none)
+    fits: bool
+    peak_gib: float  # estimate.py's per-rank peak
+    step_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    compute_s: float
+    tp_comm_s: float
+    fsdp_comm_s: float  # exposed FSDP / HSDP communication
+    optimizer_s: float
+    memory_limit_gib: float
+    reason: str
+    details: dict = field(default_factory=dict)
+
+    @property
+    def mesh(self) -> MeshShape:
+        return MeshShape(self.dp_replicate, self.dp_shard, self.tp)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def flags(self) -> list[str]:
+        """The trainer's settings for this candidate."""
+        return [
+            "--parallel.dp_replicate",
+            str(self.dp_replicate),
+            "--parallel.dp_shard",
+            str(self.dp_shard),
+            "--parallel.tp",
+            str(self.tp),
+            "--parallel.activation_checkpoint",
+            self.activation_checkpoint,
+            "--train.micro_batch",
+            str(self.micro_batch),
+        ]
+
+
+def variant(cfg: JobConfig, mesh: MeshShape, **settings) -> JobConfig:
+    """A copy of cfg on this mesh with some `section__field=value` settings changed (the
+    sections are copied, not the model's shape, which nothing here changes)."""
+    sections = {"parallel": {}, "train": {}}
+    for key, value in settings.items():
+        section, name = key.split("__")
+        sections[section][name] = value
+    return dataclasses.replace(
+        cfg,
+        parallel=dataclasses.replace(
+            cfg.parallel,
+            dp_replicate=mesh.dp_replicate,
+            dp_shard=mesh.dp_shard,
+            tp=mesh.tp,
+            **sections["parallel"],
+        ),
+        train=dataclasses.replace(cfg.train, **sections["train"]),
+    )
+
+
+def job_on_mesh(cfg: JobConfig, mesh: MeshShape) -> JobConfig:
+    """A copy of cfg with the mesh sizes set, validated (ConfigError names what is wrong)."""
+    job = variant(cfg, mesh)
+    job.validate(mesh.world)
+    return job
+
+
+# ---- the pieces ------------------------------------------------------------------------------
+
+
+def flops(m: ModelConfig, seq_len: int, activation_checkpoint: str) -> dict[str, float]:
+    """FLOPs per training token: the model's (flops_per_token, split into matmuls and attention)
+    and what checkpointing recomputes."""
+    total = flops_per_token(m, seq_len)
+    matmul = flops_per_token(m, 0)  # the attention term is proportional to the sequence
+    attention = total - matmul
+    head = 6 * m.vocab_size * m.dim  # the output projection (no recompute: outside the blocks)
+    if activation_checkpoint == "full":
+        recompute_mm, recompute_attn = (matmul - head) / 3, attention / 3
+    elif activation_checkpoint == "selective":
+        recompute_mm = 2 * m.n_layers * m.dim * (m.n_heads * m.head_dim + m.ffn_dim)
+        recompute_attn = 0.0
+    else:
+        recompute_mm = recompute_attn = 0.0
+    return {
+        "model": total,
+        "matmul": matmul,
+        "attention": attention,
+        "recompute_matmul": recompute_mm,
+        "recompute_attention": recompute_attn,
+    }
+
+
+def norm_bytes_per_element(c: int) -> int:
+    """Eager RMSNorm: upcast (when not fp32), square, mean, scale, cast back, weight."""
+    cast = (c + 4) if c != 4 else 0
+    return 2 * cast + 8 + 4 + 8 + 2 * c
+
+
+def block_elementwise_bytes(m: ModelConfig, tokens: int, tp: int, c: int) -> dict[str, float]:
+    """Bytes read + written by one block's elementwise ops in forward for `tokens` tokens."""
+    hd = m.head_dim
+    local = tokens / tp  # sequence-parallel residual stream
+    return {
+        "norms": 2 * local * m.dim * norm_bytes_per_element(c),
+        "residual adds": 2 * local * m.dim * 3 * c,
+        "rope": tokens * (m.n_heads + m.n_kv_heads) / tp * hd * 10 * c,
+        "attention re-layout": tokens * m.n_heads / tp * hd * 2 * c,
+        "silu x up": tokens * m.ffn_dim / tp * 5 * c,
+    }
+
+
+def head_elementwise_bytes(m: ModelConfig, tokens: int, tp: int, c: int) -> float:
+    """Final norm, embedding lookup / gradient, fp32 logits and cross entropy (fwd + bwd)."""
+    logits = tokens * m.vocab_size / tp
+    cast = logits * (c + 4) if c != 4 else 0
+    cross_entropy = logits * 4 * 8  # log-softmax (max, exp-sum, write) and its backward
+    norm = 3 * tokens / tp * m.dim * norm_bytes_per_element(c)
+    embedding = 3 * tokens * m.dim * c + m.vocab_size / tp * m.dim * c
+    return cast + cross_entropy + norm + embedding
+
+
+def unit_bytes(m: ModelConfig, dp_shard: int, tp: int, elt: int) -> tuple[int, int]:
+    """(one block's, the root's) gathered FSDP payload in bytes, from `analytic_step` on one- and
+    two-block variants of the model (a block adds one block's reduce-scatter)."""
+    if dp_shard <= 1:
+        return 0, 0
+    one = analytic_step(dataclasses.replace(m, n_layers=1), dp_shard, tp, 1, 1, elt=elt)
+    two = analytic_step(dataclasses.replace(m, n_layers=2), dp_shard, tp, 1, 1, elt=elt)
+    block = two["fsdp_reduce_scatter"][1] - one["fsdp_reduce_scatter"][1]
+    return block, one["fsdp_reduce_scatter"][1] - block
+
+
+def local_params(m: ModelConfig, mesh: MeshShape) -> int:
+    """Parameters rank 0 updates (its FSDP shard of its TP slice; rank 0 has the largest)."""
+    return _local_params(_key(m), mesh.tp, mesh.dp_shard)
+
+
+def _key(m: ModelConfig) -> tuple:
+    return tuple(sorted(dataclasses.asdict(m).items()))
+
+
+@functools.lru_cache(maxsize=256)
+def _local_params(key: tuple, tp: int, dp_shard: int) -> int:
+    m = ModelConfig(**dict(key))
+    return sum(fsdp_shard(tp_local_shape(p, tp), dp_shard, 0)[1] for p in model_params(m))
+
+
+@functools.lru_cache(maxsize=256)
+def _tp_local_numel(key: tuple, tp: int) -> int:
+    m = ModelConfig(**dict(key))
+    return sum(math.prod(tp_local_shape(i, tp)) for i in model_params(m))
+
+
+def group_inside_node(span: int, gpus_per_node: int) -> bool:
+    """A group of contiguous ranks `span` wide (or strided within such a block) stays inside a
+    node when the block does: ranks are numbered node by node."""
+    return span <= gpus_per_node and gpus_per_node % span == 0
+
+
+# ---- the prediction --------------------------------------------------------------------------
+
+
+def predict(
+    cfg: JobConfig,
+    mesh: MeshShape,
+    hardware: Hardware,
+    gpus_per_node: int | None = None,
+    headroom: float = DEFAULT_HEADROOM,
+) -> Candidate:
+    """Step time, throughput, MFU and peak memory of `cfg` on `mesh` (ConfigError when invalid)."""
+    G = gpus_per_node or hardware.gpus_per_node
+    if mesh.tp > G or G % mesh.tp:
+        raise ConfigError(f"tp={mesh.tp} crosses nodes ({G} GPUs per node)")
+    return predict_valid(job_on_mesh(cfg, mesh), mesh, hardware, G, headroom)
+
+
+def predict_valid(
+    job: JobConfig,
+    mesh: MeshShape,
+    hardware: Hardware,
+    gpus_per_node: int | None = None,
+    headroom: float = DEFAULT_HEADROOM,
+) -> Candidate:
+    """`predict` for a job already validated on this mesh (the search validates each mesh once)."""
+    hw = hardware
+    G = gpus_per_node or hw.gpus_per_node
+    m, t, p = job.model, job.train, job.parallel
+    W, T, Sh, R = mesh.world, mesh.tp, mesh.dp_shard, mesh.dp_replicate
+    c = compute_dtype_bytes(job, hw.target)
+    local = t.global_batch // mesh.dp
+    b = t.micro_batch or local
+    n_micro = local // b
+    S = t.seq_len
+    N = b * S
+    ranks_on_host = min(W, G)
+    share = hw.host_share(ranks_on_host)  # CPU: cores per rank (per calibrated core); GPU: 1
+    comm_scale = 1.0 / min(1.0, share) if hw.host_cores else 1.0
+
+    # ---- compute ----------------------------------------------------------------------------
+    f = flops(m, S, p.activation_checkpoint)
+    rank_tokens = local * S / T  # tp ranks split the work of their dp group's tokens
+    mm_flops = (f["matmul"] + f["recompute_matmul"]) * rank_tokens
+    attn_flops = (f["attention"] + f["recompute_attention"]) * rank_tokens
+    mm_rate = hw.matmul_rate(N, T) * share
+    attn_rate = hw.attention_rate(N, T) * share
+    bandwidth = hw.elementwise_bandwidth(N) * share
+    block_fwd = sum(block_elementwise_bytes(m, N, T, c).values())
+    recompute_passes = 1 if p.activation_checkpoint in ("full", "selective") else 0
+    elem_per_micro = m.n_layers * block_fwd * (3 + recompute_passes) + head_elementwise_bytes(
+        m, N, T, c
+    )
+
+    # ---- collectives (the comm report's analytic counts) ------------------------------------
+    step = analytic_step(m, Sh, T, local, S, n_micro, p.reshard_after_forward, elt=c)
+    step_fp32 = analytic_step(m, Sh, T, local, S, n_micro, p.reshard_after_forward, elt=4)
+    tp_link = hw.intra if group_inside_node(T, G) else hw.inter
+    tp_s = 0.0
+    tp_bytes = 0
+    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+        count, payload = step.get(f"tp_{kind}", (0, 0))
+        if p.activation_checkpoint == "full" and kind != "all_reduce" and count:
+            # The recomputed forward repeats each block's two sequence-parallel collectives.
+            extra = 2 * m.n_layers * n_micro
+            count, payload = count + extra, payload + extra * payload / count
+        tp_s += tp_link.seconds(kind, T, payload, count)
+        tp_bytes += payload
+    tp_s *= comm_scale
+
+    defer = p.defer_grad_sync and n_micro > 1
+    syncs = 1 if defer else n_micro  # gradient reduce-scatters (and HSDP all-reduces) per step
+    shard_link = hw.intra if group_inside_node(Sh * T, G) else hw.inter
+    rep_link = hw.intra if group_inside_node(W, G) else hw.inter
+    ag_count, ag_bytes = step.get("fsdp_all_gather", (0, 0))
+    rs_count, rs_bytes = step_fp32.get("fsdp_reduce_scatter", (0, 0))
+    rs_count, rs_bytes = rs_count * syncs // n_micro, rs_bytes * syncs // n_micro
+    block_ag, root_ag = unit_bytes(m, Sh, T, c)
+    block_rs, root_rs = unit_bytes(m, Sh, T, 4)
+    if R > 1:  # HSDP: each unit's reduced shard is all-reduced across replicas, in fp32
+        if Sh > 1:
+            unit_shard = [block_rs / Sh, root_rs / Sh]
+        else:  # replicate only: whole gradients
+            full = _tp_local_numel(_key(m), T) * 4
+            unit_shard = [full / (m.n_layers + 1)] * 2
+        ar_count = (m.n_layers + 1) * syncs
+        ar_bytes = (m.n_layers * unit_shard[0] + unit_shard[1]) * syncs
+    else:
+        unit_shard, ar_count, ar_bytes = [0, 0], 0, 0
+    ag_s = shard_link.seconds("all_gather", Sh, ag_bytes, ag_count) * comm_scale
+    rs_s = shard_link.seconds("reduce_scatter", Sh, rs_bytes, rs_count) * comm_scale
+    ar_s = rep_link.seconds("all_reduce", R, ar_bytes, ar_count) * comm_scale
+    fsdp_total = ag_s + rs_s + ar_s
+    # FSDP's copy-in / copy-out of every gathered and reduced buffer (memory traffic).
+    elem_bytes = elem_per_micro * n_micro + 2 * (ag_bytes + rs_bytes)
+
+    matmul_s = mm_flops / mm_rate
+    attention_s = attn_flops / attn_rate
+    elementwise_s = elem_bytes / bandwidth
+    compute_s = matmul_s + attention_s + elementwise_s
+    forward_s = (
+        f["matmul"] / 3 * rank_tokens / mm_rate
+        + f["attention"] / 3 * rank_tokens / attn_rate
+        + m.n_layers * block_fwd * n_micro / bandwidth
+    )
+    recompute_s = (
+        f["recompute_matmul"] * rank_tokens / mm_rate
+        + f["recompute_attention"] * rank_tokens / attn_rate
+        + m.n_layers * block_fwd * recompute_passes * n_micro / bandwidth
+    )
+
+    # ---- what compute hides -------------------------------------------------------------------
+    if fsdp_total == 0:
+        fsdp_exposed = 0.0
+    elif not hw.comm_overlap:
+        fsdp_exposed = fsdp_total
+    else:
+        L = m.n_layers
+
+        def one(kind, link, n, payload, scale=comm_scale):
+            return link.seconds(kind, n, payload) * scale
+
+        g_block = one("all_gather", shard_link, Sh, block_ag)
+        g_root = one("all_gather", shard_link, Sh, root_ag)
+        r_block = one("reduce_scatter", shard_link, Sh, block_rs)
+        r_root = one("reduce_scatter", shard_link, Sh, root_rs)
+        a_block = one("all_reduce", rep_link, R, unit_shard[0])
+        a_root = one("all_reduce", rep_link, R, unit_shard[1])
+        f_block = forward_s / n_micro / L
+        b_block = (compute_s - forward_s) / n_micro / L
+        regather = g_block if p.reshard_after_forward else 0.0
+        forward = g_root + g_block + (L - 1) * max(0.0, g_block - f_block)
+        exposed = 0.0
+        for i in range(n_micro):
+            sync = (not defer) or i == n_micro - 1
+            grad = (r_block + a_block) if sync else 0.0
+            backward = L * max(0.0, regather + grad - b_block)
+            exposed += forward + backward + ((r_root + a_root) if sync else 0.0)
+        fsdp_exposed = min(exposed, fsdp_total)
+
+    # ---- optimizer ----------------------------------------------------------------------------
+    n_params = local_params(m, mesh)
+    # AdamW: read p, g, m, v and write p, m, v (fp32); SGD: read p, g, write p; clipping reads
+    # the gradients for the norm and scales them in place.
+    per_param = (28 if t.optimizer == "adamw" else 12) + 12
+    if hw.optimizer_s_per_param:
+        optimizer_s = n_params * hw.optimizer_s_per_param * per_param / 40 / share
+    else:
+        optimizer_s = n_params * per_param / (hw.memory_bandwidth * hw.memory_efficiency)
+    scalars, _ = step.get("scalar_all_reduce", (0, 0))
+    world_link = hw.intra if group_inside_node(W, G) else hw.inter
+    optimizer_s += scalars * world_link.latency_s
+
+    step_s = compute_s + tp_s + fsdp_exposed + optimizer_s
+    tokens_per_s_per_gpu = t.global_batch * S / step_s / W
+    devices = W if not hw.host_cores else math.ceil(W / G)
+    mfu = f["model"] * t.global_batch * S / step_s / (hw.peak_flops * devices)
+
+    # ---- memory -------------------------------------------------------------------------------
+    est = estimate(job, mesh, 0, hw.target)
+    limit = hw.memory_bytes * (1 - headroom) / (ranks_on_host if hw.host_cores else 1)
+    fits = est.peak <= limit
+
+    details = {
+        "matmul_s": matmul_s,
+        "attention_s": attention_s,
+        "elementwise_s": elementwise_s,
+        "recompute_s": recompute_s,
+        "fsdp_all_gather_s": ag_s,
+        "fsdp_reduce_scatter_s": rs_s,
+        "hsdp_all_reduce_s": ar_s,
+        "fsdp_total_s": fsdp_total,
+        "flops_per_token": f["model"],
+        "model_flops_per_rank": f["model"] * rank_tokens,
+        "recompute_flops_per_rank": (f["recompute_matmul"] + f["recompute_attention"])
+        * rank_tokens,
+        "tp_bytes": tp_bytes,
+        "fsdp_all_gather_bytes": ag_bytes,
+        "fsdp_reduce_scatter_bytes": rs_bytes,
+        "hsdp_all_reduce_bytes": ar_bytes,
+        "elementwise_bytes": elem_bytes,
+        "params_per_rank": n_params,
+        "peak_phase": est.peak_phase,
+        "peak_bytes": est.peak,
+        "micro_batches": n_micro,
+        "tp_link": "intra" if tp_link is hw.intra else "inter",
+        "fsdp_link": "intra" if shard_link is hw.intra else "inter",
+        "replicate_link": "intra" if rep_link is hw.intra else "inter",
+    }
+    cand = Candidate(
+        dp_replicate=R,
+        dp_shard=Sh,
+        tp=T,
+        activation_checkpoint=p.activation_checkpoint,
+        micro_batch=b,
+        fits=fits,
+        peak_gib=est.peak / GiB,
+        step_s=step_s,
+        tokens_per_s_per_gpu=tokens_per_s_per_gpu,
+        mfu=mfu,
+        compute_s=compute_s,
+        tp_comm_s=tp_s,
+        fsdp_comm_s=fsdp_exposed,
+        optimizer_s=optimizer_s,
+        memory_limit_gib=limit / GiB,
+        reason="",
+        details=details,
+    )
+    cand.reason = reason(cand, hw, headroom)
+    return cand
+
+
+def reason(c: Candidate, hw: Hardware, headroom: float) -> str:
+    """A short why for the table: what does not fit, or where the step's time goes."""
+    if not c.fits:
+        return f"{c.peak_gib:.1f} GiB > {c.memory_limit_gib:.1f} GiB ({headroom:.0%} headroom)"
+    d = c.details
+    link = {"intra": "NVLink" if hw.target == "cuda" else "shm", "inter": "network"}
+    shares = {
+        f"FSDP comm exposed ({link[d['fsdp_link']]})": c.fsdp_comm_s,
+        f"tp comm ({link[d['tp_link']]})": c.tp_comm_s,
+        f"recompute ({c.activation_checkpoint})": d["recompute_s"],
+        "optimizer step": c.optimizer_s,
+        "elementwise ops": d["elementwise_s"],
+    }
+    name, seconds = max(shares.items(), key=lambda kv: kv[1])
+    if seconds / c.step_s < 0.05:
+        return f"compute-bound: matmuls {d['matmul_s'] / c.step_s:.0%} of step"
+    return f"{name}: {seconds / c.step_s:.0%} of step"

@@ -1,0 +1,189 @@
+"""Every configuration of a job on a cluster, predicted and ranked; the best one as settings.
+
+Candidates: every (dp_replicate, dp_shard, tp) whose product is the GPU count, x activation
+checkpointing none / selective / full, x micro batch (each divisor of the per-rank batch). A
+mesh the trainer would refuse (tp crossing a node, tp not dividing heads, kv heads, ffn or
+vocab, a batch that does not split) is rejected with the reason, once per mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from hybrid2d.config import ConfigError, JobConfig
+from hybrid2d.planner.hardware import Hardware
+from hybrid2d.planner.model import (
+    DEFAULT_HEADROOM,
+    Candidate,
+    job_on_mesh,
+    predict_valid,
+    variant,
+)
+from hybrid2d.profiling.estimate import MeshShape
+
+CHECKPOINTING = ("none", "selective", "full")
+
+
+@dataclass
+class Rejected:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    reason: str
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class Plan:
+    candidates: list[Candidate]  # best first; those that do not fit last
+    rejected: list[Rejected]
+    world: int
+    gpus_per_node: int
+    hardware: Hardware
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.candidates[0] if self.candidates and self.candidates[0].fits else None
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def meshes(world: int) -> list[MeshShape]:
+    return [
+        MeshShape(rep, world // (tp * rep), tp)
+        for tp in divisors(world)
+        for rep in divisors(world // tp)
+    ]
+
+
+def plan(
+    cfg: JobConfig,
+    world_size: int,
+    gpus_per_node: int,
+    hardware: Hardware,
+    headroom: float = DEFAULT_HEADROOM,
+    checkpointing: tuple[str, ...] = CHECKPOINTING,
+) -> Plan:
+    """Predict every valid candidate; rank fitting ones by step time, then the rest by memory."""
+    if world_size < 1 or gpus_per_node < 1:
+        raise ConfigError(f"world size {world_size} and GPUs per node {gpus_per_node} must be >= 1")
+    out: list[Candidate] = []
+    rejected: list[Rejected] = []
+    for mesh in meshes(world_size):
+        why = mesh_problem(cfg, mesh, gpus_per_node)
+        if why:
+            rejected.append(Rejected(mesh.dp_replicate, mesh.dp_shard, mesh.tp, why))
+            continue
+        local = cfg.train.global_batch // mesh.dp
+        for ac in checkpointing:
+            for micro in divisors(local):  # valid by construction: no validation per variant
+                job = variant(
+                    cfg, mesh, parallel__activation_checkpoint=ac, train__micro_batch=micro
+                )
+                out.append(predict_valid(job, mesh, hardware, gpus_per_node, headroom))
+    out.sort(key=lambda c: (not c.fits, c.step_s if c.fits else c.peak_gib))
+    return Plan(out, rejected, world_size, gpus_per_node, hardware)
+
+
+def mesh_problem(cfg: JobConfig, mesh: MeshShape, gpus_per_node: int) -> str | None:
+    """Why the trainer cannot run cfg on this mesh here, or None."""
+    if mesh.tp > gpus_per_node or gpus_per_node % mesh.tp:
+        return f"tp={mesh.tp} crosses nodes ({gpus_per_node} GPUs per node)"
+    try:
+        job_on_mesh(cfg, mesh)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def best_plan(
+    cfg: JobConfig,
+    world_size: int,
+    gpus_per_node: int,
+    hardware: Hardware,
+    headroom: float = DEFAULT_HEADROOM,
+) -> Candidate:
+    """The fastest candidate that fits; ConfigError naming the smallest peak when none fits."""
+    result = plan(cfg, world_size, gpus_per_node, hardware, headroom)
+    if result.best is not None:
+        return result.best
+    if not result.candidates:
+        first = result.rejected[0].reason if result.rejected else "no mesh"
+        raise ConfigError(f"no valid configuration of {cfg.recipe} on {world_size} GPUs ({first})")
+    smallest = min(result.candidates, key=lambda c: c.peak_gib)
+    raise ConfigError(
+        f"no configuration of {cfg.recipe} fits {world_size} x {hardware.name}: the smallest "
+        f"peak is {smallest.peak_gib:.1f} GiB per rank (dp_replicate={smallest.dp_replicate} "
+        f"dp_shard={smallest.dp_shard} tp={smallest.tp} {smallest.activation_checkpoint} "
+        f"checkpointing, micro batch {smallest.micro_batch}) against "
+        f"{smallest.memory_limit_gib:.1f} GiB; use more GPUs or a smaller train.seq_len"
+    )
+
+
+# ---- output ----------------------------------------------------------------------------------
+
+
+def mesh_label(c: Candidate | Rejected) -> str:
+    rep = f"{c.dp_replicate}x" if c.dp_replicate > 1 else ""
+    return f"{rep}{c.dp_shard}x{c.tp}"
+
+
+def format_table(result: Plan, top: int, show_rejected: bool = False) -> str:
+    """Ranked candidates (best first, non-fitting last) with their breakdown and reason."""
+    header = (
+        "| # | mesh (rep x shard x tp) | ckpt | micro | fits | peak GiB | step s | compute s "
+        "| tp comm s | FSDP comm s | optim s | tok/s/GPU | MFU | why |"
+    )
+    lines = [header, "|" + "---|" * 14]
+    for i, c in enumerate(result.candidates[:top], 1):
+        lines.append(
+            f"| {i} | {mesh_label(c)} | {c.activation_checkpoint} | {c.micro_batch} | "
+            f"{'yes' if c.fits else 'no'} | {c.peak_gib:.1f} | {c.step_s:.3g} | "
+            f"{c.compute_s:.3g} | {c.tp_comm_s:.3g} | {c.fsdp_comm_s:.3g} | "
+            f"{c.optimizer_s:.3g} | {c.tokens_per_s_per_gpu:,.0f} | {100 * c.mfu:.1f}% | "
+            f"{c.reason} |"
+        )
+    rest = len(result.candidates) - top
+    if rest > 0:
+        lines.append(f"\n{rest} more candidates (--top {len(result.candidates)} lists them)")
+    if show_rejected and result.rejected:
+        lines += ["", "rejected meshes:", "| mesh | reason |", "|---|---|"]
+        lines += [f"| {mesh_label(r)} | {r.reason} |" for r in result.rejected]
+    elif result.rejected:
+        lines.append(f"{len(result.rejected)} meshes rejected (--show-rejected lists why)")
+    return "\n".join(lines)
+
+
+def accelerate_config(c: Candidate, nodes: int, comment: str) -> str:
+    """An accelerate config file (`accelerate launch --config_file`) for this candidate, in the
+    format of recipes/accelerate/*.yaml; hybrid2d builds the mesh from the parallelism sizes."""
+    world = c.dp_replicate * c.dp_shard * c.tp
+    lines = [f"# {line}" for line in comment.splitlines()]
+    lines += [
+        "compute_environment: LOCAL_MACHINE",
+        "distributed_type: FSDP",
+        "fsdp_config:",
+        "  fsdp_version: 2",
+        "parallelism_config:",
+        f"  parallelism_config_dp_replicate_size: {c.dp_replicate}",
+        f"  parallelism_config_dp_shard_size: {c.dp_shard}",
+        f"  parallelism_config_tp_size: {c.tp}",
+        "machine_rank: 0",
+        f"num_machines: {nodes}",
+        f"num_processes: {world}",
+    ]
+    if nodes > 1:
+        lines.append("main_process_port: 29500")
+    lines += [
+        "main_training_function: main",
+        "mixed_precision: 'no'  # hybrid2d applies bf16 itself (parallel.mixed_precision=auto)",
+        "rdzv_backend: static",
+        "same_network: true",
+        "use_cpu: false",
+    ]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,444 @@
+"""The planner: its figures are the project's pieces, its candidates run, its CLI fails early."""
+
+import dataclasses
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hybrid2d import recipes
+from hybrid2d.comm_report import analytic_step
+from hybrid2d.config import ConfigError, JobConfig, ModelConfig
+from hybrid2d.metrics import flops_per_token
+from hybrid2d.planner import Hardware, Link, best_plan, hardware, plan, predict
+from hybrid2d.planner.calibrate import fit_latency_bandwidth
+from hybrid2d.planner.model import unit_bytes
+from hybrid2d.profiling.estimate import MeshShape, compute_dtype_bytes, estimate
+from tests.launch import REPO, free_port, launcher_env
+
+
+def load_tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def debug_job(**train) -> JobConfig:
+    cfg = recipes.get("llama-debug")
+    for key, value in train.items():
+        setattr(cfg.train, key, value)
+    return cfg
+
+
+def with_settings(cfg: JobConfig, ac: str, micro: int) -> JobConfig:
+    cfg = JobConfig.from_dict(cfg.to_dict())
+    cfg.parallel.activation_checkpoint = ac
+    cfg.train.micro_batch = micro
+    return cfg
+
+
+CASES = [
+    # (profile, mesh, checkpointing, micro batch, gpus per node)
+    ("h100", MeshShape(1, 4, 2), "none", 0, 8),
+    ("h100", MeshShape(1, 2, 2), "full", 1, 4),
+    ("h100", MeshShape(2, 2, 1), "selective", 2, 2),  # HSDP across two "nodes"
+    ("a100-80gb", MeshShape(1, 8, 1), "full", 0, 8),
+    ("cpu", MeshShape(1, 2, 2), "selective", 1, 4),
+    ("cpu", MeshShape(1, 1, 4), "none", 2, 4),
+]
+
+
+@pytest.mark.parametrize("profile, mesh, ac, micro, gpus", CASES)
+def test_figures_are_the_pieces(profile, mesh, ac, micro, gpus):
+    """Peak memory is estimate.py's, collective bytes are comm_report's analytic counts (tp and
+    FSDP all-gathers in the compute dtype, reduce-scatters in fp32, full checkpointing adding
+    the recomputed forward's gathers and reduce-scatters), FLOPs are flops_per_token's."""
+    hw = hardware.get(profile)
+    job = with_settings(debug_job(global_batch=16), ac, micro)
+    cand = predict(job, mesh, hw, gpus)
+    on_mesh = dataclasses.replace(
+        job,
+        parallel=dataclasses.replace(
+            job.parallel, dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard, tp=mesh.tp
+        ),
+    )
+    est = estimate(on_mesh, mesh, 0, hw.target)
+    assert cand.details["peak_bytes"] == est.peak
+    assert cand.peak_gib == est.peak / 2**30
+
+    m, t = job.model, job.train
+    c = compute_dtype_bytes(on_mesh, hw.target)
+    local = t.global_batch // mesh.dp
+    n_micro = local // (micro or local)
+    step = analytic_step(m, mesh.dp_shard, mesh.tp, local, t.seq_len, n_micro, elt=c)
+    step32 = analytic_step(m, mesh.dp_shard, mesh.tp, local, t.seq_len, n_micro, elt=4)
+    tp_bytes = sum(b for k, (_, b) in step.items() if k.startswith("tp_"))
+    if ac == "full" and mesh.tp > 1:  # each block's two SP collectives of each kind, again
+        per = step["tp_all_gather"][1] // step["tp_all_gather"][0]
+        tp_bytes += 2 * 2 * m.n_layers * n_micro * per
+    assert cand.details["tp_bytes"] == tp_bytes
+    assert cand.details["fsdp_all_gather_bytes"] == step.get("fsdp_all_gather", (0, 0))[1]
+    assert cand.details["fsdp_reduce_scatter_bytes"] == step32.get("fsdp_reduce_scatter", (0, 0))[1]
+
+    fpt = flops_per_token(m, t.seq_len)
+    assert cand.details["flops_per_token"] == fpt
+    assert cand.details["model_flops_per_rank"] == pytest.approx(
+        fpt * t.global_batch * t.seq_len / mesh.world, rel=1e-12
+    )
+    assert cand.step_s == pytest.approx(
+        cand.compute_s + cand.tp_comm_s + cand.fsdp_comm_s + cand.optimizer_s, rel=1e-12
+    )
+    assert cand.tokens_per_s_per_gpu == pytest.approx(
+        t.global_batch * t.seq_len / cand.step_s / mesh.world
+    )
+
+
+def test_unit_bytes_add_up_to_the_analytic_step():
+    m = recipes.get("llama3.1-8b").model
+    block, root = unit_bytes(m, 8, 2, 2)
+    step = analytic_step(m, 8, 2, 8, 1, elt=2)
+    assert m.n_layers * block + root == step["fsdp_reduce_scatter"][1]
+
+
+@pytest.mark.parametrize(
+    "recipe, nodes, gpus, hw",
+    [("llama-debug", 1, 4, "cpu"), ("llama3.1-8b", 2, 8, "h100"), ("llama3.2-1b", 1, 8, "b200")],
+)
+def test_every_candidate_passes_the_trainers_validation(recipe, nodes, gpus, hw):
+    cfg = recipes.get(recipe)
+    result = plan(cfg, nodes * gpus, gpus, hardware.get(hw))
+    assert result.candidates
+    for cand in result.candidates:
+        job = JobConfig.from_dict(cfg.to_dict())
+        for flag, value in zip(cand.flags()[::2], cand.flags()[1::2], strict=True):
+            section, name = flag[2:].split(".")
+            owner = getattr(job, section)
+            setattr(owner, name, type(getattr(owner, name))(value))
+        mesh = job.validate(nodes * gpus)
+        assert mesh == (cand.dp_replicate, cand.dp_shard, cand.tp)
+        assert cand.tp <= gpus
+    fits = [c.fits for c in result.candidates]
+    assert fits == sorted(fits, reverse=True)  # fitting first
+    steps = [c.step_s for c in result.candidates if c.fits]
+    assert steps == sorted(steps)  # fastest first
+
+
+def test_rejects_tp_that_crosses_a_node_or_does_not_divide_heads():
+    cfg = recipes.get("llama-debug")  # 8 heads, 4 kv heads
+    result = plan(cfg, 16, 8, hardware.get("h100"))
+    reasons = {(r.dp_replicate, r.dp_shard, r.tp): r.reason for r in result.rejected}
+    assert reasons[(1, 1, 16)] == "tp=16 crosses nodes (8 GPUs per node)"
+    assert "parallel.tp=8 does not divide model.n_kv_heads=4" in reasons[(1, 2, 8)]
+    assert all(c.tp in (1, 2, 4) for c in result.candidates)
+    with pytest.raises(ConfigError, match="tp=16 crosses nodes"):
+        predict(cfg, MeshShape(1, 1, 16), hardware.get("h100"), 8)
+    with pytest.raises(ConfigError, match="model.n_kv_heads=4"):
+        predict(cfg, MeshShape(1, 1, 8), hardware.get("h100"), 8)
+    odd = recipes.get("llama-debug")
+    odd.model = dataclasses.replace(odd.model, n_heads=6, n_kv_heads=6, dim=384)
+    reasons = {r.tp: r.reason for r in plan(odd, 4, 4, hardware.get("h100")).rejected}
+    assert "does not divide model.n_heads=6" in reasons[4]
+
+
+def test_planning_70b_on_1024_gpus_takes_under_2_s():
+    cfg = recipes.get("llama3.1-70b")
+    plan(cfg, 8, 8, hardware.get("h100"))  # builds the meta model once, as any first call does
+    started = time.process_time()
+    result = plan(cfg, 1024, 8, hardware.get("h100"))
+    took = time.process_time() - started
+    assert result.best is not None and result.best.tp <= 8
+    assert took < 2.0, f"{took:.2f} s of CPU time"
+
+
+def test_best_plan_fits_and_says_when_nothing_does():
+    best = best_plan(recipes.get("llama3.1-8b"), 8, 8, hardware.get("h100"))
+    assert best.fits and best.peak_gib <= best.memory_limit_gib
+    tiny = hardware.get("h100")
+    tiny.memory_bytes = 2**30
+    with pytest.raises(ConfigError, match="no configuration of llama3.1-70b fits 8 x h100"):
+        best_plan(recipes.get("llama3.1-70b"), 8, 8, tiny)
+
+
+def test_more_memory_pressure_is_reported_and_ranked_last():
+    cfg = recipes.get("llama3.1-8b")
+    result = plan(cfg, 8, 8, hardware.get("a100-80gb"))
+    over = [c for c in result.candidates if not c.fits]
+    assert over and all(
+        re.fullmatch(r"[\d.]+ GiB > [\d.]+ GiB \(10% headroom\)", c.reason) for c in over
+    )
+    assert result.candidates.index(over[0]) == sum(c.fits for c in result.candidates)
+
+
+def test_inter_node_fsdp_costs_more_than_nvlink():
+    cfg = debug_job(global_batch=16)
+    hw = hardware.get("h100")
+    inside = predict(cfg, MeshShape(1, 8, 1), hw, 8)
+    across = predict(cfg, MeshShape(1, 8, 1), hw, 4)  # the same group over two nodes
+    assert inside.details["fsdp_link"] == "intra" and across.details["fsdp_link"] == "inter"
+    assert across.details["fsdp_total_s"] > inside.details["fsdp_total_s"]
+
+
+# ---- hardware profiles -----------------------------------------------------------------------
+
+
+def test_presets_state_sources_and_dense_peaks():
+    for name in ("h100", "h200", "a100-80gb", "b200"):
+        hw = hardware.get(name)
+        for figure in ("peak_flops", "memory_bytes", "memory_bandwidth", "intra.bandwidth"):
+            assert hw.sources.get(figure), (name, figure)
+        assert "inter.bandwidth" in hw.sources and "matmul_efficiency" in hw.sources
+    assert hardware.get("h100").peak_flops == 989.4e12  # dense: half the sparse 1,979
+    assert hardware.get("a100-80gb").peak_flops == 312e12
+    assert hardware.get("b200").peak_flops == 2.25e15
+
+
+def test_profile_round_trips_and_bad_files_are_one_line(tmp_path):
+    hw = hardware.get("h200")
+    path = tmp_path / "hw.json"
+    hw.save(str(path))
+    assert hardware.load(str(path)) == hw
+    data = json.loads(path.read_text())
+    data["bogus"] = 1
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="unknown field 'bogus'"):
+        hardware.load(str(path))
+    del data["bogus"], data["peak_flops"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="missing field 'peak_flops'"):
+        hardware.load(str(path))
+    path.write_text("{")
+    with pytest.raises(ConfigError, match="not JSON"):
+        hardware.load(str(path))
+
+
+def test_link_time_is_latency_plus_ring_bytes():
+    link = Link(bandwidth=100e9, efficiency=0.5, latency_s=1e-5)
+    assert link.seconds("all_gather", 4, 4e9, count=2) == pytest.approx(2e-5 + 0.75 * 4e9 / 50e9)
+    assert link.seconds("all_reduce", 2, 1e9) == pytest.approx(1e-5 + 1.0 * 1e9 / 50e9)
+    assert link.seconds("all_gather", 1, 1e9) == 0.0
+    measured = Link(bandwidth=1, measured={"reduce_scatter": [1e-3, 1e9]})
+    assert measured.seconds("reduce_scatter", 2, 2e9) == pytest.approx(1e-3 + 1.0)
+
+
+def test_latency_bandwidth_fit():
+    xs = [1e6, 4e6, 16e6]
+    ys = [2e-4 + x / 2e9 for x in xs]
+    latency, bandwidth = fit_latency_bandwidth(xs, ys)
+    assert latency == pytest.approx(2e-4) and bandwidth == pytest.approx(2e9)
+
+
+def test_calibrated_tables_interpolate_in_log_tokens():
+    hw = Hardware.from_dict({**hardware.get("cpu").to_dict(), "matmul_table": []})
+    hw.matmul_table = [[256, 1, 10e9], [1024, 1, 30e9], [256, 2, 5e9]]
+    assert hw.matmul_rate(512, 1) == pytest.approx(20e9)
+    assert hw.matmul_rate(4096, 1) == 30e9  # clamped
+    assert hw.matmul_rate(256, 4) == 5e9  # the nearest measured tp
+
+
+# ---- the command line ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--nodes", "0"], "--nodes 0 must be >= 1"),
+        (["--gpu", "h300"], "--gpu 'h300' is not one of h100, h200, a100-80gb, b200, cpu"),
+        (["--recipe", "llama9"], "unknown recipe 'llama9'"),
+        (["--calibrate"], "--calibrate needs --out FILE.json"),
+        (["--top", "ten"], "argument --top: invalid int value: 'ten'"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--hardware", "/nonexistent/hw.json"], "--hardware /nonexistent/hw.json"),
+        (["--gpu", "h100", "--hardware", "x.json"], "give --gpu or --hardware, not both"),
+        (["--gpu-memory", "lots"], "--gpu-memory 'lots' is not a size"),
+        (["--set", "train.bogus=1"], "unknown setting --train.bogus"),
+        (["--headroom", "1.5"], "--headroom 1.5 must be in [0, 1)"),
+        (["--validate", "--validate-ranks", "1"], "--validate-ranks '1' is not a list"),
+        (["--json", "/nonexistent/dir/plan.json"], "--json /nonexistent/dir/plan.json: folder"),
+        (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    ],
+)
+def test_bad_arguments_are_one_line_and_exit_2(argv, message, capsys):
+    plan_tool = load_tool("plan")
+    try:
+        code = plan_tool.main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+def test_cli_exit_code_and_json_fields(tmp_path):
+    out = tmp_path / "plan.json"
+    bad = subprocess.run(
+        [sys.executable, "tools/plan.py", "--recipe", "llama3.1-70b", "--gpus-per-node", "-1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: --gpus-per-node -1 must be >= 1"
+    plan_tool = load_tool("plan")
+    argv = ["--recipe", "llama3.1-70b", "--nodes", "4", "--gpu", "h200", "--json", str(out)]
+    assert plan_tool.main(argv + ["--seq-len", "8192", "--top", "3"]) == 0
+    rows = json.loads(out.read_text())
+    fields = (
+        "dp_replicate, dp_shard, tp, activation_checkpoint, micro_batch, fits, peak_gib, step_s, "
+        "tokens_per_s_per_gpu, mfu, compute_s, tp_comm_s, fsdp_comm_s"
+    ).split(", ")
+    assert rows and all(set(fields) <= set(r) for r in rows)
+    assert all(r["dp_replicate"] * r["dp_shard"] * r["tp"] == 32 for r in rows)
+
+
+def test_kendall_tau_and_stats():
+    plan_tool = load_tool("plan")
+    assert plan_tool.kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert plan_tool.kendall_tau([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert plan_tool.kendall_tau([1, 2, 3], [1, 3, 2]) == pytest.approx(1 / 3)
+    rows = [
+        {"label": "a", "predicted_s": 1.0, "measured_s": 1.1},
+        {"label": "b", "predicted_s": 2.0, "measured_s": 1.0},
+        {"label": "c", "predicted_s": 3.0, "measured_s": 3.0},
+    ]
+    stats = plan_tool.validation_stats(rows)
+    assert stats["measured_best"] == "b" and stats["best_in_top2"]
+    assert stats["mape"] == pytest.approx((0.1 / 1.1 + 1.0 + 0.0) / 3)
+    assert len(plan_tool.validation_candidates([2, 4])) == 2 * 6 + 3 * 6
+
+
+def test_validate_writes_its_sections_and_keeps_the_rest(tmp_path):
+    plan_tool = load_tool("plan")
+    doc = tmp_path / "planner.md"
+    doc.write_text("# title\nhand-written\n")
+    assert plan_tool.main(["--validate", "--published-only", "--doc", str(doc)]) == 0
+    text = doc.read_text()
+    assert text.startswith("# title\nhand-written\n")
+    assert "<!-- BEGIN published (tools/plan.py --validate) -->" in text
+    assert text.count("| Llama 3") >= 3 and "torchtitan" in text
+    assert plan_tool.main(["--validate", "--published-only", "--doc", str(doc)]) == 0
+    assert doc.read_text() == text  # replaced in place, not appended
+
+
+def test_check_run_compares_a_run_with_its_prediction(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = debug_job()
+    (run / "config.json").write_text(json.dumps(cfg.to_dict()))
+    summary = {
+        "mesh": {"dp_replicate": 1, "dp_shard": 1, "tp": 1},
+        "tokens_per_s": 4096.0,
+        "peak_memory_bytes_per_rank": [2**30],
+    }
+    (run / "summary.json").write_text(json.dumps(summary))
+    plan_tool = load_tool("plan")
+    out = tmp_path / "check.json"
+    assert plan_tool.main(["--check-run", str(run), "--gpu", "cpu", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["measured_step_s"] == pytest.approx(8 * 256 / 4096)
+    assert result["measured_peak_gib"] == 1.0
+    assert "step time  measured 0.500 s" in capsys.readouterr().out
+
+
+# ---- launches (slow) -------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_emitted_accelerate_config_launches_the_best_plan(tmp_path):
+    """The best plan for 4 CPU processes of llama-debug runs 3 steps through accelerate."""
+    config = tmp_path / "plan.yaml"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "tools/plan.py",
+            "--recipe",
+            "llama-debug",
+            "--nodes",
+            "1",
+            "--gpus-per-node",
+            "4",
+            "--gpu",
+            "cpu",
+            "--emit-accelerate-config",
+            str(config),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    flags = next(ln for ln in proc.stdout.splitlines() if ln.startswith("flags: "))[7:].split()
+    assert "num_processes: 4" in config.read_text()
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(config),
+            "--main_process_port",
+            str(free_port()),
+            "recipes/llama.py",
+            *flags,
+            "--train.steps",
+            "3",
+            "--metrics.run_dir",
+            str(run_dir),
+        ],
+        cwd=REPO,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 3
+    expected = dict(zip(flags[::2], flags[1::2], strict=True))
+    assert summary["mesh"] == {
+        "dp_replicate": int(expected["--parallel.dp_replicate"]),
+        "dp_shard": int(expected["--parallel.dp_shard"]),
+        "tp": int(expected["--parallel.tp"]),
+    }
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_on_cpu(tmp_path):
+    """tools/gpu_check.sh's Python parts (calibrate, plan, train with and without compile,
+    compare) on CPU with llama-debug and a few steps."""
+    env = launcher_env(
+        RECIPE="llama-debug", STEPS="3", GLOBAL_BATCH="4", SEQ_LEN="128", PYTHON=sys.executable
+    )
+    proc = subprocess.run(
+        ["bash", "tools/gpu_check.sh", "--device", "cpu", "--out", str(tmp_path / "check")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    for compile_ in ("false", "true"):
+        result = json.loads((tmp_path / "check" / f"check-compile-{compile_}.json").read_text())
+        assert result["measured_step_s"] > 0 and result["planned_step_s"] > 0
+        assert result["estimated_peak_gib"] > 0
+    assert "MFU" in proc.stdout and "planned" in proc.stdout
+    assert os.path.exists(tmp_path / "check" / "hardware.json")
+
+
+def test_validation_model_is_the_benchmarks_default():
+    bench_args = ["--dim", "--layers", "--heads", "--kv-heads", "--ffn", "--vocab"]
+    text = (REPO / "tools" / "bench.py").read_text()
+    plan_tool = load_tool("plan")
+    model = ModelConfig(**plan_tool.VALIDATION_MODEL)
+    values = [model.dim, model.n_layers, model.n_heads, model.n_kv_heads, model.ffn_dim]
+    values.append(model.vocab_size)
+    for flag, value in zip(bench_args, values, strict=True):
+        assert re.search(rf'"{flag}", type=int, default={value}\)', text), flag

@@ -1,0 +1,633 @@
+"""Choose the mesh: every configuration of a recipe on a cluster, predicted and ranked.
+
+  python tools/plan.py --recipe llama3.1-70b --nodes 32 --gpus-per-node 8 --gpu h100 \\
+      [--gpu-memory 80GiB] [--global-batch 256] [--seq-len 8192] [--top 10] \\
+      [--json plan.json] [--emit-accelerate-config plan.yaml] [--show-rejected]
+  python tools/plan.py --recipe llama-debug --nodes 1 --gpus-per-node 4 --hardware cpu.json
+  python tools/plan.py --calibrate [--device cpu|cuda] --recipe llama-debug --out cpu.json
+  python tools/plan.py --validate [--hardware cpu.json] [--validate-ranks 2,4]
+  python tools/plan.py --check-run runs/<run> [--hardware h200.json]
+
+Candidates are every (dp_replicate, dp_shard, tp) whose product is the GPU count, x activation
+checkpointing none / selective / full, x micro batch; each gets its per-rank peak memory
+(profiling/estimate.py) and a predicted step time (hybrid2d/planner/model.py). The table lists
+the fastest that fit first. --gpu picks a preset (h100, h200, a100-80gb, b200, cpu);
+--hardware FILE.json reads a profile (as --calibrate writes it). --validate measures every
+candidate of a small model on this machine with alternating runs (as tools/bench.py does) and
+writes predicted against measured into docs/planner.md, beside published GPU measurements.
+--check-run compares a finished run's step time, MFU and peak memory with the prediction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hybrid2d import recipes  # noqa: E402
+from hybrid2d.config import ConfigError, JobConfig, ModelConfig, apply_overrides  # noqa: E402
+from hybrid2d.metrics import flops_per_token  # noqa: E402
+from hybrid2d.planner import hardware as hwlib  # noqa: E402
+from hybrid2d.planner.model import DEFAULT_HEADROOM, predict  # noqa: E402
+from hybrid2d.planner.search import (  # noqa: E402
+    accelerate_config,
+    divisors,
+    format_table,
+    mesh_label,
+    plan,
+)
+from hybrid2d.profiling.estimate import MeshShape  # noqa: E402
+from hybrid2d.sizes import parse_size  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOC = os.path.join(REPO, "docs", "planner.md")
+# The validation model: tools/bench.py's default shape (llama-debug's), seq 256, global batch 8.
+VALIDATION_MODEL = dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688, vocab_size=4096)
+VALIDATION_SEQ, VALIDATION_BATCH = 256, 8
+# Calibration ranks start and end their process group as the trainer does (hybrid2d.mesh).
+TRAINER_PROCESS_GROUP = ("hybrid2d.mesh:init_distributed", "hybrid2d.mesh:shutdown_distributed")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Bad arguments: one `error:` line and exit 2 (argparse's default prints the usage too)."""
+
+    def error(self, message: str):
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def parser() -> OneLineParser:
+    p = OneLineParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    p.add_argument("--recipe", default="llama-debug", help="a name from recipes/llama.py --list")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, help="default: the profile's (8 for GPUs)")
+    p.add_argument("--gpu", help=f"a preset: {', '.join(hwlib.names())} (default h100)")
+    p.add_argument("--hardware", help="a profile JSON file (as --calibrate writes)")
+    p.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GiB (default: the profile's)")
+    p.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM, help="kept free (0.10)")
+    p.add_argument("--global-batch", type=int, help="samples per step (default: the recipe's)")
+    p.add_argument("--seq-len", type=int, help="tokens per sample (default: the recipe's)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="another setting of the recipe, e.g. parallel.reshard_after_forward=false",
+    )
+    p.add_argument("--top", type=int, default=10, help="rows of the table (10)")
+    p.add_argument("--json", help="write every candidate as a JSON list here")
+    p.add_argument("--emit-accelerate-config", metavar="FILE", help="write the best plan's config")
+    p.add_argument("--show-rejected", action="store_true", help="list rejected meshes and why")
+    p.add_argument("--calibrate", action="store_true", help="measure this machine")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="for --calibrate")
+    p.add_argument("--procs", type=int, help="--calibrate processes (cpu: 2; cuda: GPUs, <= 2)")
+    p.add_argument("--out", help="--calibrate: where to write the profile (JSON)")
+    p.add_argument("--validate", action="store_true", help="predicted vs measured on this CPU")
+    p.add_argument("--validate-ranks", default="2,4", help="world sizes to measure (2,4)")
+    p.add_argument("--steps", type=int, default=8, help="--validate: steps per run (8)")
+    p.add_argument("--warmup", type=int, default=3, help="--validate: steps left out (3)")
+    p.add_argument("--repeats", type=int, default=2, help="--validate: alternating repeats (2)")
+    p.add_argument("--note", default="", help="--validate: a line about the conditions")
+    p.add_argument("--doc", default=DOC, help="--validate: the page to write (docs/planner.md)")
+    p.add_argument(
+        "--published-only",
+        action="store_true",
+        help="--validate: only recompute the published-measurement comparison",
+    )
+    p.add_argument("--check-run", metavar="RUN_DIR", help="compare a finished run with the plan")
+    return p
+
+
+# ---- arguments --------------------------------------------------------------------------------
+
+
+def positive(args, *names: str) -> None:
+    for name in names:
+        value = getattr(args, name.replace("-", "_"))
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name} {value} must be >= 1")
+
+
+def writable(path: str | None, flag: str) -> None:
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"{flag} {path}: folder {folder} does not exist")
+
+
+def load_hardware(args) -> hwlib.Hardware:
+    if args.gpu and args.hardware:
+        raise ConfigError("give --gpu or --hardware, not both")
+    hw = hwlib.load(args.hardware) if args.hardware else hwlib.get(args.gpu or "h100")
+    if args.gpu_memory:
+        hw.memory_bytes = parse_size(args.gpu_memory, "--gpu-memory")
+    return hw
+
+
+def job_config(args) -> JobConfig:
+    cfg = recipes.get(args.recipe)
+    if args.global_batch is not None:
+        cfg.train.global_batch = args.global_batch
+    if args.seq_len is not None:
+        cfg.train.seq_len = args.seq_len
+    settings = []
+    for item in args.set:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"--set {item!r} is not SECTION.FIELD=VALUE")
+        settings.append("--" + item)
+    apply_overrides(cfg, settings)
+    return cfg
+
+
+def check(args) -> tuple[JobConfig, hwlib.Hardware]:
+    """Every mistake, found before any work; resolves defaults."""
+    modes = [m for m in ("calibrate", "validate", "check_run") if getattr(args, m)]
+    if len(modes) > 1:
+        names = " and ".join("--" + m.replace("_", "-") for m in modes)
+        raise ConfigError(f"{names} are separate actions; give one")
+    positive(args, "nodes", "gpus-per-node", "top", "global-batch", "seq-len", "procs")
+    positive(args, "steps", "repeats")
+    if not 0 <= args.headroom < 1:
+        raise ConfigError(f"--headroom {args.headroom} must be in [0, 1)")
+    if args.calibrate and not args.out:
+        raise ConfigError("--calibrate needs --out FILE.json")
+    if args.out and not args.calibrate:
+        raise ConfigError("--out is for --calibrate (plans go to --json)")
+    if args.validate and not 0 <= args.warmup < args.steps:
+        raise ConfigError(f"--warmup {args.warmup} must be at least 0 and below --steps")
+    if args.validate:
+        args.ranks = parse_ranks(args.validate_ranks)
+    for path, flag in ((args.json, "--json"), (args.out, "--out"), (args.doc, "--doc")):
+        writable(path, flag)
+    writable(args.emit_accelerate_config, "--emit-accelerate-config")
+    if args.check_run and not os.path.isfile(os.path.join(args.check_run, "summary.json")):
+        raise ConfigError(f"--check-run {args.check_run}: no summary.json (a finished run dir?)")
+    if args.calibrate:
+        if args.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError("--device cuda, but no CUDA device is visible; use --device cpu")
+        base = load_hardware(args) if (args.gpu or args.hardware) else None
+        return job_config(args), base
+    if args.validate:
+        hw = hwlib.load(args.hardware) if args.hardware else None
+        return job_config(args), hw
+    hw = load_hardware(args)
+    cfg = job_config(args)
+    if args.gpus_per_node is None:
+        args.gpus_per_node = hw.gpus_per_node
+    return cfg, hw
+
+
+def parse_ranks(text: str) -> list[int]:
+    try:
+        ranks = [int(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        ranks = []
+    if not ranks or min(ranks) < 2:
+        raise ConfigError(f"--validate-ranks {text!r} is not a list of world sizes >= 2, e.g. 2,4")
+    return ranks
+
+
+# ---- planning --------------------------------------------------------------------------------
+
+
+def run_plan(args, cfg: JobConfig, hw: hwlib.Hardware) -> int:
+    world = args.nodes * args.gpus_per_node
+    started = time.process_time()
+    result = plan(cfg, world, args.gpus_per_node, hw, args.headroom)
+    took = time.process_time() - started
+    fits = sum(c.fits for c in result.candidates)
+    print(
+        f"{cfg.recipe} ({cfg.model.num_params() / 1e9:.2f}B) on {args.nodes} node(s) x "
+        f"{args.gpus_per_node} {hw.name} = {world} devices, {hw.memory_bytes / 2**30:.0f} GiB "
+        f"each ({args.headroom:.0%} kept free); global batch {cfg.train.global_batch}, seq "
+        f"{cfg.train.seq_len}: {len(result.candidates)} candidates ({fits} fit), "
+        f"{len(result.rejected)} meshes rejected; planned in {took:.2f} s"
+    )
+    print(format_table(result, args.top, args.show_rejected))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([c.to_dict() for c in result.candidates], f, indent=1)
+    best = result.best
+    if best is None:
+        print("\nnothing fits: use more GPUs, a smaller --seq-len, or more memory", flush=True)
+        if args.emit_accelerate_config:
+            print("error: no plan fits, so no accelerate config was written", file=sys.stderr)
+            return 1
+        return 0
+    flags = launch_flags(best, cfg, args)
+    print(
+        f"\nbest: {mesh_label(best)} (dp_replicate={best.dp_replicate} dp_shard={best.dp_shard} "
+        f"tp={best.tp}), {best.activation_checkpoint} checkpointing, micro batch "
+        f"{best.micro_batch}: {best.step_s:.3g} s/step, {best.tokens_per_s_per_gpu:,.0f} "
+        f"tokens/s per device, MFU {best.mfu:.1%}, {best.peak_gib:.1f} GiB per rank"
+    )
+    print("flags: " + " ".join(flags))
+    if args.emit_accelerate_config:
+        comment = (
+            f"written by tools/plan.py: the best plan for {cfg.recipe} on {args.nodes} node(s) x "
+            f"{args.gpus_per_node} {hw.name}\npredicted {best.step_s:.3g} s/step, "
+            f"{best.peak_gib:.1f} GiB per rank; launch with:\n"
+            f"accelerate launch --config_file {args.emit_accelerate_config} recipes/llama.py "
+            + " ".join(flags)
+        )
+        with open(args.emit_accelerate_config, "w") as f:
+            f.write(accelerate_config(best, args.nodes, comment))
+        print(
+            f"wrote {args.emit_accelerate_config}; launch with:\n  accelerate launch "
+            f"--config_file {args.emit_accelerate_config} recipes/llama.py " + " ".join(flags)
+        )
+    return 0
+
+
+def launch_flags(best, cfg: JobConfig, args) -> list[str]:
+    """recipes/llama.py arguments that run the best plan as planned."""
+    flags = ["--recipe", cfg.recipe, *best.flags()]
+    if args.global_batch is not None:
+        flags += ["--train.global_batch", str(cfg.train.global_batch)]
+    if args.seq_len is not None:
+        flags += ["--train.seq_len", str(cfg.train.seq_len)]
+    for item in args.set:
+        key, value = item.split("=", 1)
+        flags += [f"--{key}", value]
+    return flags
+
+
+# ---- calibration -----------------------------------------------------------------------------
+
+
+def run_calibrate(args, cfg: JobConfig, base) -> int:
+    from hybrid2d.planner.calibrate import calibrate
+
+    started = time.time()
+    hw, raw = calibrate(cfg, args.device, base, args.procs, *TRAINER_PROCESS_GROUP)
+    hw.save(args.out)
+    print(
+        f"calibrated in {time.time() - started:.0f} s for {cfg.recipe}'s shapes; wrote {args.out}"
+    )
+    print(describe_profile(hw, raw))
+    return 0
+
+
+def describe_profile(hw: hwlib.Hardware, raw: dict | None = None) -> str:
+    lines = [f"{hw.name}: {hw.description}"]
+    unit = "per core" if hw.host_cores else "per device"
+    if hw.matmul_table:
+        rates = ", ".join(f"{r[0]} tok tp{r[1]}: {r[2] / 1e9:.1f}" for r in hw.matmul_table)
+        lines.append(f"  matmul GFLOP/s {unit}: {rates}")
+    if hw.attention_table:
+        rates = ", ".join(f"{r[0]} tok tp{r[1]}: {r[2] / 1e9:.1f}" for r in hw.attention_table)
+        lines.append(f"  attention GFLOP/s {unit}: {rates}")
+    if hw.elementwise_table:
+        rates = ", ".join(f"{r[0]} tok: {r[1] / 1e9:.2f}" for r in hw.elementwise_table)
+        lines.append(f"  elementwise GB/s {unit}: {rates}")
+    if hw.optimizer_s_per_param:
+        lines.append(f"  AdamW + clip: {hw.optimizer_s_per_param * 1e9:.2f} ns per parameter")
+    for name in ("intra", "inter"):
+        link = getattr(hw, name)
+        if link.measured:
+            parts = ", ".join(
+                f"{k} {v[0] * 1e6:.0f} us + {v[1] / 1e9:.2f} GB/s" for k, v in link.measured.items()
+            )
+            lines.append(f"  {name} ({hw.sources.get(name, '')}): {parts}")
+    return "\n".join(lines)
+
+
+# ---- a finished run against its prediction ---------------------------------------------------
+
+
+def run_check(args, hw: hwlib.Hardware) -> int:
+    """Step time, MFU and peak memory of a finished run beside the planner's prediction."""
+    with open(os.path.join(args.check_run, "summary.json")) as f:
+        summary = json.load(f)
+    with open(os.path.join(args.check_run, "config.json")) as f:
+        cfg = JobConfig.from_dict(json.load(f))
+    mesh = MeshShape(**summary["mesh"])
+    gpus = min(mesh.world, args.gpus_per_node)
+    cand = predict(cfg, mesh, hw, gpus, args.headroom)
+    tokens = cfg.train.global_batch * cfg.train.seq_len
+    step = tokens / summary["tokens_per_s"]
+    peak = max(summary["peak_memory_bytes_per_rank"]) / 2**30
+    devices = mesh.world if not hw.host_cores else math.ceil(mesh.world / gpus)
+    mfu = flops_per_token(cfg.model, cfg.train.seq_len) * summary["tokens_per_s"]
+    mfu /= hw.peak_flops * devices
+    out = {
+        "run_dir": args.check_run,
+        "hardware": hw.name,
+        "mesh": str(mesh),
+        "compile": cfg.parallel.compile,
+        "measured_step_s": step,
+        "planned_step_s": cand.step_s,
+        "step_error": (cand.step_s - step) / step,
+        "measured_mfu": mfu,
+        "planned_mfu": cand.mfu,
+        "measured_peak_gib": peak,
+        "estimated_peak_gib": cand.peak_gib,
+        "memory_error": (cand.peak_gib - peak) / peak if peak else None,
+    }
+    print(
+        f"{args.check_run} ({cfg.recipe}, mesh {mesh}, {hw.name}, compile "
+        f"{cfg.parallel.compile}):\n"
+        f"  step time  measured {step:.3f} s, planned {cand.step_s:.3f} s "
+        f"({out['step_error']:+.0%})\n"
+        f"  MFU        measured {mfu:.1%}, planned {cand.mfu:.1%}\n"
+        f"  peak/rank  measured {peak:.2f} GiB, estimated {cand.peak_gib:.2f} GiB"
+        + (f" ({out['memory_error']:+.0%})" if peak else "")
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+# ---- validation ------------------------------------------------------------------------------
+
+
+def kendall_tau(xs: list[float], ys: list[float]) -> float:
+    """Kendall's tau-b (ties counted as neither concordant nor discordant)."""
+    concordant = discordant = ties_x = ties_y = 0
+    n = len(xs)
+    for i in range(n):
+        for j in range(i + 1, n):
+            dx, dy = xs[i] - xs[j], ys[i] - ys[j]
+            if dx == 0 and dy == 0:
+                continue
+            if dx == 0:
+                ties_x += 1
+            elif dy == 0:
+                ties_y += 1
+            elif (dx > 0) == (dy > 0):
+                concordant += 1
+            else:
+                discordant += 1
+    denom = math.sqrt((concordant + discordant + ties_x) * (concordant + discordant + ties_y))
+    return (concordant - discordant) / denom if denom else 0.0
+
+
+def validation_candidates(ranks: list[int]) -> list[tuple[int, int, str, int]]:
+    """(dp, tp, checkpointing, micro batch) for every world size: each dp x tp, x none /
+    selective / full, x micro batch 1 and 2."""
+    out = []
+    for world in ranks:
+        for tp in divisors(world):
+            for ac in ("none", "selective", "full"):
+                for micro in (1, 2):
+                    out.append((world // tp, tp, ac, micro))
+    return out
+
+
+def validation_stats(rows: list[dict]) -> dict:
+    predicted = [r["predicted_s"] for r in rows]
+    measured = [r["measured_s"] for r in rows]
+    best = min(range(len(rows)), key=lambda i: measured[i])
+    top2 = sorted(range(len(rows)), key=lambda i: predicted[i])[:2]
+    return {
+        "n": len(rows),
+        "kendall_tau": kendall_tau(predicted, measured),
+        "mape": statistics.mean(abs(p - m) / m for p, m in zip(predicted, measured, strict=True)),
+        "best_in_top2": best in top2,
+        "measured_best": rows[best]["label"],
+        "predicted_top2": [rows[i]["label"] for i in top2],
+    }
+
+
+def run_validate(args, hw) -> int:
+    sections = {"published": published_section()}
+    if not args.published_only:
+        sections["validation"] = measure_validation(args, hw)
+    write_doc(args.doc, sections)
+    print(f"wrote {os.path.relpath(args.doc, REPO)}")
+    return 0
+
+
+def measure_validation(args, hw) -> str:
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import bench  # tools/bench.py: the same launcher and worker the benchmarks use
+    from bench_worker import bench_job
+
+    from hybrid2d.planner.calibrate import calibrate
+
+    model = ModelConfig(**VALIDATION_MODEL)
+    base = JobConfig(recipe="bench", model=model)
+    base.train.global_batch, base.train.seq_len = VALIDATION_BATCH, VALIDATION_SEQ
+    started = time.time()
+    calibrated_here = hw is None
+    if hw is None:
+        print("calibrating this machine for the validation model ...", flush=True)
+        hw, raw = calibrate(base, "cpu", None, None, *TRAINER_PROCESS_GROUP)
+        print(describe_profile(hw, raw), flush=True)
+    cands = validation_candidates(args.ranks)
+    rows = []
+    for dp, tp, ac, micro in cands:
+        settings = [f"parallel.activation_checkpoint={ac}", f"train.micro_batch={micro}"]
+        job = bench_job(
+            model, VALIDATION_BATCH, VALIDATION_SEQ, args.steps, dp, tp, "cpu", settings
+        )
+        pred = predict(job, MeshShape(1, dp, tp), hw, gpus_per_node=dp * tp)
+        rows.append(
+            {
+                "label": f"{dp}x{tp} {ac} mb{micro}",
+                "dp": dp,
+                "tp": tp,
+                "activation_checkpoint": ac,
+                "micro_batch": micro,
+                "settings": settings,
+                "predicted_s": pred.step_s,
+                "prediction": pred.to_dict(),
+                "times": [],
+            }
+        )
+    ns = argparse.Namespace(
+        global_batch=VALIDATION_BATCH, seq_len=VALIDATION_SEQ, steps=args.steps, device="cpu"
+    )
+    with tempfile.TemporaryDirectory() as model_dir:
+        bench.write_model_dir(model, model_dir)
+        for repeat in range(args.repeats):  # alternate, so drift hits every candidate alike
+            for i, row in enumerate(rows):
+                extra = [a for s in row["settings"] for a in ("--set", s)]
+                result = bench.launch("hybrid2d", row["dp"], row["tp"], ns, model_dir, extra)
+                row["times"] += result["times"][args.warmup :]
+                print(
+                    f"repeat {repeat + 1}/{args.repeats} run {i + 1}/{len(rows)} {row['label']}: "
+                    f"{statistics.median(result['times'][args.warmup :]):.3f} s/step "
+                    f"(predicted {row['predicted_s']:.3f})",
+                    flush=True,
+                )
+    for row in rows:
+        row["measured_s"] = statistics.median(row["times"])
+    by_world = {}
+    for row in rows:
+        by_world.setdefault(row["dp"] * row["tp"], []).append(row)
+    stats = {w: validation_stats(r) for w, r in by_world.items()}
+    overall = validation_stats(rows) if len(by_world) > 1 else None
+    took = time.time() - started
+    return format_validation(args, hw, rows, stats, overall, took, calibrated_here)
+
+
+def format_validation(args, hw, rows, stats, overall, took, calibrated_here) -> str:
+    lines = [
+        f"Run {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()} ({os.cpu_count()} cores, "
+        f"load average {os.getloadavg()[0]:.1f} at the end), `python tools/plan.py --validate "
+        f"--validate-ranks {args.validate_ranks} --steps {args.steps} --warmup {args.warmup} "
+        f"--repeats {args.repeats}`: {took / 60:.1f} min. Model: tools/bench.py's default shape "
+        f"(dim 256, 4 layers, 8/4 heads, ffn 688, vocab 4096), seq {VALIDATION_SEQ}, global batch "
+        f"{VALIDATION_BATCH}, fp32, AdamW. Each figure is the median of "
+        f"{args.repeats} x {args.steps - args.warmup} measured steps.",
+    ]
+    if args.note:
+        lines += ["", f"**{args.note}**"]
+    lines += [
+        "",
+        f"Hardware profile: {'calibrated at the start of this run' if calibrated_here else hw.name}"
+        f" ({hw.description}):",
+        "",
+        "```",
+        describe_profile(hw),
+        "```",
+        "",
+        "| world | mesh dp x tp | ckpt | micro | predicted s | measured s | error | "
+        "compute s | tp comm s | FSDP comm s | optim s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        p = r["prediction"]
+        err = (r["predicted_s"] - r["measured_s"]) / r["measured_s"]
+        lines.append(
+            f"| {r['dp'] * r['tp']} | {r['dp']}x{r['tp']} | {r['activation_checkpoint']} | "
+            f"{r['micro_batch']} | {r['predicted_s']:.3f} | {r['measured_s']:.3f} | {err:+.0%} | "
+            f"{p['compute_s']:.3f} | {p['tp_comm_s']:.3f} | {p['fsdp_comm_s']:.3f} | "
+            f"{p['optimizer_s']:.4f} |"
+        )
+    lines += [
+        "",
+        "| candidates | Kendall's tau | MAPE | measured best | predicted top 2 | in top 2 |",
+    ]
+    lines.append("|---|---|---|---|---|---|")
+    items = [(f"{w}-rank ({s['n']})", s) for w, s in stats.items()]
+    if overall:
+        items.append((f"all ({overall['n']})", overall))
+    for name, s in items:
+        lines.append(
+            f"| {name} | {s['kendall_tau']:.2f} | {s['mape']:.1%} | {s['measured_best']} | "
+            f"{', '.join(s['predicted_top2'])} | {'yes' if s['best_in_top2'] else 'no'} |"
+        )
+    lines += ["", "Targets (issue 13): tau >= 0.8, MAPE <= 15%, the measured best in the top 2."]
+    return "\n".join(lines)
+
+
+def published_section() -> str:
+    """Each published row beside the planner's prediction for the same configuration."""
+    from hybrid2d.planner.published import ROWS
+
+    lines = [
+        "| configuration | hardware | mesh | batch / seq | ckpt | published tokens/s/GPU | "
+        "predicted | error | published memory | estimated peak | error | source |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    errors, mem_errors = [], []
+    for row in ROWS:
+        cfg = recipes.get(row.recipe)
+        world = row.dp_shard * row.tp
+        cfg.train.seq_len = row.seq_len
+        cfg.train.global_batch = row.local_batch * row.dp_shard
+        cfg.train.micro_batch = row.local_batch
+        cfg.parallel.activation_checkpoint = row.activation_checkpoint
+        hw = hwlib.get(row.gpu)
+        for key, value in row.hardware_changes.items():
+            setattr(hw, key, value)
+        gpus = world // row.nodes
+        cand = predict(cfg, MeshShape(1, row.dp_shard, row.tp), hw, gpus)
+        err = (cand.tokens_per_s_per_gpu - row.tokens_per_s_per_gpu) / row.tokens_per_s_per_gpu
+        errors.append(abs(err))
+        if row.memory_gib:
+            mem_err = (cand.peak_gib - row.memory_gib) / row.memory_gib
+            mem_errors.append(abs(mem_err))
+            memory = f"{row.memory_gib:.1f} GiB | {cand.peak_gib:.1f} GiB | {mem_err:+.0%}"
+        else:
+            memory = f"not published | {cand.peak_gib:.1f} GiB | -"
+        changes = ", ".join(
+            f"{k} {v / 2**30:.0f} GiB" if k == "memory_bytes" else f"{k} {v / 1e12:.1f} TB/s"
+            for k, v in row.hardware_changes.items()
+        )
+        lines.append(
+            f"| {row.label} | {row.gpu}{' (' + changes + ')' if changes else ''} | "
+            f"{row.nodes} node(s), dp_shard {row.dp_shard} x tp {row.tp} | "
+            f"{row.local_batch}/GPU x {row.dp_shard} / {row.seq_len} | "
+            f"{row.activation_checkpoint} | {row.tokens_per_s_per_gpu:,.0f} | "
+            f"{cand.tokens_per_s_per_gpu:,.0f} | {err:+.0%} | {memory} | {row.source} |"
+        )
+    lines += [
+        "",
+        f"Mean absolute error: tokens/s per GPU {statistics.mean(errors):.0%} over {len(errors)} "
+        f"rows; memory {statistics.mean(mem_errors):.0%} over {len(mem_errors)} rows. Targets "
+        "(issue 13): tokens/s within 15%, memory within 10%.",
+        "",
+        "Notes per row:",
+        "",
+    ]
+    lines += [f"- {row.label}: {row.notes}" for row in ROWS]
+    return "\n".join(lines)
+
+
+def write_doc(path: str, sections: dict[str, str]) -> None:
+    """Replace the generated sections of the page (between their markers), keep the rest."""
+    text = open(path).read() if os.path.exists(path) else DOC_SKELETON
+    for name, body in sections.items():
+        begin, end = f"<!-- BEGIN {name} (tools/plan.py --validate) -->", f"<!-- END {name} -->"
+        if begin not in text:
+            text += f"\n{begin}\n{end}\n"
+        head, rest = text.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        text = f"{head}{begin}\n{body}\n{end}{tail}"
+    with open(path, "w") as f:
+        f.write(text)
+
+
+DOC_SKELETON = """# Choosing the mesh: tools/plan.py
+
+## Validation on this machine
+
+<!-- BEGIN validation (tools/plan.py --validate) -->
+<!-- END validation -->
+
+## Against published GPU measurements
+
+<!-- BEGIN published (tools/plan.py --validate) -->
+<!-- END published -->
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        cfg, hw = check(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.calibrate:
+        return run_calibrate(args, cfg, hw)
+    if args.validate:
+        return run_validate(args, hw)
+    if args.check_run:
+        return run_check(args, hw)
+    return run_plan(args, cfg, hw)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
