@@ -1,22 +1,51 @@
 """The run directory: created and checked by rank 0, and locked against a second run.
 
-The lock is a file holding the owner's host and pid, created with O_EXCL. A lock whose process
-is gone (a crash, kill -9, a launcher restart) is stale and taken over; a live one stops the new
-run with one line naming the directory and the owner.
+The lock is an `fcntl.flock` on `<run_dir>/.lock`; the file also holds the owner's host and pid
+for the message that refuses a second run. The kernel drops a flock when the process that holds
+it ends, however it ends (exit, crash, kill -9), so a dead run's lock is free at once, and the
+flock alone decides who holds it: two starters can never both take over a stale lock, since
+there is nothing to take over, only a lock to try. The owner unlinks the file while it still
+holds the lock, and a starter that locked a file which is no longer the one at the path tries
+again, so an unlink never lets two runs in either.
 """
 
 from __future__ import annotations
 
 import atexit
+import errno
+import fcntl
 import json
 import os
 import socket
 import time
 
+from hybrid2d.checkpoint.layout import find_run_to_resume
 from hybrid2d.config import ConfigError, JobConfig
 
 LOCK_NAME = ".lock"
-_held: list[str] = []
+_held: list[tuple[str, int]] = []  # (lock path, descriptor holding its flock)
+
+
+def _owner(fd: int) -> dict:
+    """What the lock file says about its owner ({} when empty or half written)."""
+    try:
+        data = os.pread(fd, 4096, 0)
+        return json.loads(data) if data else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _current_owner(fd: int) -> dict:
+    """The owner of a lock another process holds. Right after it took the lock the file may
+    still be empty or name the dead process before it; give the new owner a moment to write
+    itself in ({} if it does not: the message then says "another process")."""
+    for _ in range(200):
+        owner = _owner(fd)
+        pid = owner.get("pid")
+        if isinstance(pid, int) and (owner.get("host") != socket.gethostname() or _alive(pid)):
+            return owner
+        time.sleep(0.005)
+    return {}
 
 
 def _alive(pid: int) -> bool:
@@ -29,43 +58,79 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _legacy_owner(owner: dict) -> bool:
+    """A lock file of hybrid2d before flock (created with O_EXCL, never flocked) whose process
+    is still running here: that run holds the directory although no flock says so."""
+    pid = owner.get("pid")
+    return (
+        bool(owner)
+        and "lock" not in owner
+        and owner.get("host") == socket.gethostname()
+        and isinstance(pid, int)
+        and pid != os.getpid()
+        and _alive(pid)
+    )
+
+
+def _in_use(run_dir: str, path: str, owner: dict) -> ConfigError:
+    where = f"pid {owner.get('pid')} on {owner.get('host')}" if owner else "another process"
+    return ConfigError(
+        f"metrics.run_dir={run_dir} is in use by {where} (lock {path}); use another "
+        "--metrics.run_dir or stop that run"
+    )
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        here, there = os.fstat(fd), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
 def acquire_lock(run_dir: str) -> None:
+    """Hold `run_dir`'s lock until `release_locks()` or the end of this process; a ConfigError
+    naming the owner's pid when another process holds it."""
     path = os.path.join(run_dir, LOCK_NAME)
-    me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
-    for _ in range(2):
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            try:
-                with open(path) as f:
-                    owner = json.load(f)
-            except (OSError, ValueError):
-                owner = {}
-            same_host = owner.get("host") == me["host"]
-            if same_host and isinstance(owner.get("pid"), int) and not _alive(owner["pid"]):
-                os.unlink(path)  # stale: its process is gone
-                continue
-            where = f"pid {owner.get('pid')} on {owner.get('host')}" if owner else "another run"
-            hint = "" if same_host else f"; if that run is over, delete {path}"
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            busy = e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+            owner = _current_owner(fd) if busy else {}
+            os.close(fd)
+            if busy:
+                raise _in_use(run_dir, path, owner) from None
             raise ConfigError(
-                f"metrics.run_dir={run_dir} is in use by {where} (lock {path}); use another "
-                f"--metrics.run_dir or stop that run{hint}"
+                f"metrics.run_dir={run_dir}: cannot lock {path} ({e.strerror}); use a directory "
+                "on a file system with file locks"
             ) from None
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
-        _held.append(path)
+        if not _same_file(fd, path):  # its owner unlinked it on release: lock the new one
+            os.close(fd)
+            continue
+        owner = _owner(fd)
+        if _legacy_owner(owner):
+            os.close(fd)
+            raise _in_use(run_dir, path, owner)
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+        data = json.dumps({**me, "lock": "flock"}).encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, data, 0)
+        _held.append((path, fd))
         return
 
 
 def release_locks() -> None:
+    """Give up every lock this process holds (the file is removed first, under the lock)."""
     while _held:
-        path = _held.pop()
+        path, fd = _held.pop()
         try:
-            with open(path) as f:
-                if json.load(f).get("pid") == os.getpid():
-                    os.unlink(path)
-        except (OSError, ValueError):
+            if _same_file(fd, path):
+                os.unlink(path)
+        except OSError:
             pass
+        os.close(fd)
 
 
 atexit.register(release_locks)
@@ -82,8 +147,6 @@ def create_run_dir(cfg: JobConfig) -> str:
             "use {recipe} and {time} only"
         ) from None
     if cfg.checkpoint.resume == "auto":  # continue the newest run that has a checkpoint
-        from hybrid2d.checkpoint.layout import find_run_to_resume
-
         path = find_run_to_resume(cfg.metrics.run_dir, cfg.recipe) or path
     try:
         os.makedirs(path, exist_ok=True)
