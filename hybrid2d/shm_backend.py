@@ -13,13 +13,16 @@ Transport (per group):
   `/proc/<pid>/fd/<n>`. Nothing has a name, so a rank killed at any point leaves nothing behind:
   the kernel frees the segment with the last mapping.
 - Layout: 2 x n header lines of 64 bytes ([parity][rank]: generation, op, dtype, numel, grow),
-  then 2 x n slots ([parity][rank]). Collective g uses parity g % 2. A rank can start g + 2
-  (overwriting g's slot and line) only after every peer posted g + 1, which a peer does only
-  after it finished reading g. Only x86-64: its stores become visible in program order, so a
-  peer that sees a generation also sees the data and header written before it.
-- A rank posts by writing its slot, its header fields, then its generation, and writes a byte
-  into each peer's wake-up pipe (`os.pipe()`, opened by peers through /proc as well), so
-  waiters sleep in `poll` instead of spinning on a core a peer needs.
+  n sleep lines (the generation a rank sleeps waiting for), then 2 x n slots ([parity][rank]).
+  Collective g uses parity g % 2. A rank can start g + 2 (overwriting g's slot and line) only
+  after every peer posted g + 1, which a peer does only after it finished reading g. Only
+  x86-64: its stores become visible in program order, so a peer that sees a generation also
+  sees the data and header written before it.
+- A rank posts by writing its slot, its header fields, then its generation. A waiter that finds
+  a peer missing announces in its sleep line that it sleeps and sleeps in `poll` on its wake-up
+  pipe (`os.pipe()`, opened by the peers through /proc as well) instead of spinning on a core
+  a peer needs; a poster writes one byte into the pipe of each peer that announced a sleep for
+  its generation (no system call when nobody sleeps).
 - After the wait every rank compares every peer's header with its own: a desynchronised
   collective raises on every rank at once, naming both calls. A wait that slept a whole
   `_LIVENESS_S` checks through /proc that the ranks it waits for are still alive.
@@ -28,6 +31,8 @@ Transport (per group):
 - Slots grow lazily and in lockstep (every rank sees the same sizes for the same collective):
   a rank that needs a bigger slot posts a "grow" header instead of data, and once all agree the
   group re-handshakes over the inner gloo group. Inputs above `SLOT_CAP_BYTES` go to gloo.
+- While a TorchDispatchMode is active (CommDebugMode), the same path runs as dispatcher ops,
+  `DISPATCH_OPS`, so such modes can see the collectives.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import struct
 import sys
 import threading
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -57,9 +63,11 @@ _SETTINGS = ("auto", "on", "off")
 _setting = "auto"
 
 # Header codes. The op names are what a mismatch error prints.
-_ALL_GATHER, _REDUCE_SCATTER_SUM, _REDUCE_SCATTER_AVG, _ALL_REDUCE_SUM, _ALL_REDUCE_MAX = range(
-    1, 6
-)
+_ALL_GATHER = 1
+_REDUCE_SCATTER_SUM = 2
+_REDUCE_SCATTER_AVG = 3
+_ALL_REDUCE_SUM = 4
+_ALL_REDUCE_MAX = 5
 _OP_NAMES = {
     _ALL_GATHER: "all_gather",
     _REDUCE_SCATTER_SUM: "reduce_scatter",
@@ -192,6 +200,58 @@ def _completed_work() -> dist.Work:
 
 _DONE = _completed_work()
 
+# ---- visible to dispatch modes ---------------------------------------------------------------
+#
+# gloo's collectives reach the dispatcher as c10d ops (c10d._allgather_base_, ...), which is how
+# CommDebugMode and other TorchDispatchModes see them; a Python process group's methods are
+# plain calls. So while such a mode is active, the shared-memory path runs as these ops instead
+# (same transport, so every rank still does the same): add `DISPATCH_OPS` to a CommDebugMode's
+# comm_registry to count them. Each returns whether shared memory served the call (False: the
+# caller falls back to gloo). Without a mode the path costs one C call to check.
+
+_GROUPS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # group name -> group
+_lib = torch.library.Library(BACKEND, "DEF")
+_lib.define("_allgather_base_(Tensor(a!) output_tensor, Tensor input_tensor, str group) -> bool")
+_lib.define(
+    "_reduce_scatter_base_(Tensor(a!) output_tensor, Tensor input_tensor, int op, str group) "
+    "-> bool"
+)
+_lib.define("allreduce_(Tensor(a!) tensor, int op, str group) -> bool")
+# torch._C._len_torch_dispatch_stack: the public way, torch.utils._python_dispatch's
+# _get_current_dispatch_mode, is private as well and costs more.
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+
+
+def _all_gather_kernel(output, input, group):
+    return _GROUPS[group]._shm.run(_ALL_GATHER, input, output)
+
+
+def _reduce_scatter_kernel(output, input, op, group):
+    return _GROUPS[group]._shm.run(op, input, output)
+
+
+def _all_reduce_kernel(tensor, op, group):
+    return _GROUPS[group]._shm.run(op, tensor, tensor.view(-1))
+
+
+_lib.impl("_allgather_base_", _all_gather_kernel, "CPU")
+_lib.impl("_reduce_scatter_base_", _reduce_scatter_kernel, "CPU")
+_lib.impl("allreduce_", _all_reduce_kernel, "CPU")
+
+
+class _ops:
+    all_gather = torch.ops.hybrid2d_shm._allgather_base_
+    reduce_scatter = torch.ops.hybrid2d_shm._reduce_scatter_base_
+    all_reduce = torch.ops.hybrid2d_shm.allreduce_
+
+
+# Each dispatcher op, and the c10d op gloo would have shown in its place (for reports).
+DISPATCH_OPS = {
+    _ops.all_gather: "c10d._allgather_base_",
+    _ops.reduce_scatter: "c10d._reduce_scatter_base_",
+    _ops.all_reduce: "c10d.allreduce_",
+}
+
 
 # ---- processes -----------------------------------------------------------------------------------
 
@@ -278,7 +338,7 @@ class _Transport:
     """Shared-memory exchange between the ranks of one group (see the module docstring)."""
 
     def __init__(self, pg: ShmProcessGroup, read_fd: int, write_fd: int, peers: list, segment):
-        self.pg = pg
+        self.pg = weakref.proxy(pg)  # no cycle: the group goes when its last user lets go
         self.n = pg._size
         self.rank = pg._rank
         self.read_fd = read_fd
@@ -305,9 +365,10 @@ class _Transport:
             return v
         seg, n, r = self.seg, self.n, self.rank
         own = seg.slot_view(dtype, parity, r, numel)
-        if kind == _ALL_GATHER:  # every slot as one [n, numel] strided view
+        if kind == _ALL_GATHER:  # every slot as one [n, numel] view; those before/after ours
             first = seg.slot_view(dtype, parity, 0, numel)
-            peers = first.as_strided((n, numel), (seg.slot // own.element_size(), 1))
+            every = first.as_strided((n, numel), (seg.slot // own.element_size(), 1))
+            peers = (every, every[:r], every[r + 1 :])
         elif kind in (_REDUCE_SCATTER_SUM, _REDUCE_SCATTER_AVG):  # this rank's chunk of each
             chunk = numel // n
             peers = tuple(
@@ -335,10 +396,18 @@ class _Transport:
                 return False
         g = self.generation + 1
         own, peers = self.views(kind, inp.dtype, numel, g & 1)
-        own.copy_(inp.view(-1))
+        own.copy_(inp if inp.dim() == 1 else inp.view(-1))
         self.exchange(kind, inp.dtype, numel, grow=0)
         if kind == _ALL_GATHER:
-            out.view(self.n, numel).copy_(peers)
+            rows = out.view(self.n, numel)
+            if inp.data_ptr() != out.data_ptr() + self.rank * nbytes:
+                rows.copy_(peers[0])
+            else:  # in place (FSDP2 gathers from its own row of the output): skip that row
+                r = self.rank
+                if r:
+                    rows[:r].copy_(peers[1])
+                if r + 1 < self.n:
+                    rows[r + 1 :].copy_(peers[2])
         elif kind == _ALL_REDUCE_MAX:
             torch.maximum(peers[0], peers[1], out=out)
             for p in peers[2:]:
@@ -450,6 +519,7 @@ class _Transport:
         """Every rank asked for `needed` bytes: a new segment with bigger slots (over gloo).
         False when it could not be made (the group then serves larger inputs through gloo)."""
         slot = min(self.cap, max(2 * self.seg.slot, 1 << (needed - 1).bit_length()))
+        slot = -(-slot // _LINE) * _LINE  # every dtype's view of a slot stays aligned
         segment, error = self.pg._handshake_segment(slot, self.peers, "grow")
         if segment is None:
             if _setting == "on":
@@ -500,6 +570,7 @@ class ShmProcessGroup(dist.ProcessGroup):
         self._global_ranks = global_ranks
         self._global_rank = global_ranks[rank]
         self._name = group_name
+        _GROUPS[group_name] = self
         self._desc = "undefined"
         self._shm: _Transport | None = None
         self._fallback: str | None = None
@@ -524,29 +595,30 @@ class ShmProcessGroup(dist.ProcessGroup):
     def group_name(self) -> str:
         return self._name
 
-    def getGroupName(self) -> str:  # noqa: N802 - the C++ virtual's name
+    def getGroupName(self) -> str:  # the C++ virtual, for C++ callers
         return self._name
 
     def _set_group_name(self, name: str) -> None:
         self._name = name
+        _GROUPS[name] = self
         if self._inner is not None:
             self._inner._set_group_name(name)
 
-    setGroupName = _set_group_name  # noqa: N815
+    setGroupName = _set_group_name
 
     @property
     def group_desc(self) -> str:
         return self._desc
 
-    def getGroupDesc(self) -> str:  # noqa: N802
+    def getGroupDesc(self) -> str:
         return self._desc
 
     def _set_group_desc(self, desc: str) -> None:
         self._desc = desc
 
-    setGroupDesc = _set_group_desc  # noqa: N815
+    setGroupDesc = _set_group_desc
 
-    def getBackendName(self) -> str:  # noqa: N802
+    def getBackendName(self) -> str:
         return BACKEND
 
     def name(self) -> str:
@@ -716,7 +788,11 @@ class ShmProcessGroup(dist.ProcessGroup):
             and output.is_contiguous()
             and output.numel() == input.numel() * self._size
             and input.dtype in _DTYPE_CODES
-            and shm.run(_ALL_GATHER, input, output)
+            and (
+                _ops.all_gather(output, input, self._name)
+                if _dispatch_modes()
+                else shm.run(_ALL_GATHER, input, output)
+            )
         ):
             return _DONE
         return self._gloo_group().all_gather_single(output, input, *args, **kwargs)
@@ -748,7 +824,12 @@ class ShmProcessGroup(dist.ProcessGroup):
         ):
             kind = _RS_OPS.get(opts.reduceOp.op)
             if kind is not None and (kind == _REDUCE_SCATTER_SUM or input.dtype in _FLOATING):
-                if shm.run(kind, input, output.view(-1)):
+                out = output.view(-1)
+                if (
+                    _ops.reduce_scatter(out, input, kind, self._name)
+                    if _dispatch_modes()
+                    else shm.run(kind, input, out)
+                ):
                     return _DONE
         if opts is None:
             return self._gloo_group().reduce_scatter_single(output, input, *args, **kwargs)
@@ -777,7 +858,11 @@ class ShmProcessGroup(dist.ProcessGroup):
                 and t.dtype in _REDUCIBLE
             ):
                 kind = _AR_OPS.get(opts.reduceOp.op)
-                if kind is not None and shm.run(kind, t, t.view(-1)):
+                if kind is not None and (
+                    _ops.all_reduce(t, kind, self._name)
+                    if _dispatch_modes()
+                    else shm.run(kind, t, t.view(-1))
+                ):
                     return _DONE
         if opts is None:
             return self._gloo_group().allreduce(tensors, *args, **kwargs)

@@ -55,13 +55,19 @@ def test_collectives_equal_gloo(tmp_path):
     """3 ranks: every shared-memory collective equals gloo's on the same inputs."""
     check_ok(run_ranks(3, [WORKER, "equal", str(tmp_path / "equal.json")], timeout=240))
     report = _report(tmp_path, "equal.json")
-    assert report["checked"] > 250 and report["max_error"] < 1e-6
+    rounds = report["rounds"]
+    assert report["checked"] == 12 * rounds + 4 and report["max_error"] < 1e-6
     # The path was taken: one generation per collective, a few more for growing the slots.
-    assert report["shm_ops"] >= 240
+    assert report["shm_ops"] == 11 * rounds + 3
     assert report["shm_ops"] <= report["generations"] <= report["shm_ops"] + 6
     assert report["identical_all_reduce"]  # bit-identical on every rank
     assert report["cap_delegated"]  # above the slot cap: gloo, shared memory untouched
     assert report["memfd_mapped"] and not report["dev_shm_mapped"]
+    assert report["seen_by_mode"] == {
+        "hybrid2d_shm._allgather_base_": 1,
+        "hybrid2d_shm._reduce_scatter_base_": 1,
+        "hybrid2d_shm.allreduce_": 1,
+    }
 
 
 @needs_shm

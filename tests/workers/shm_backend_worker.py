@@ -90,11 +90,13 @@ def compare_with_gloo():
 
     gen = torch.Generator().manual_seed(1000 + rank)
     results = []
-    for it in range(24):
-        # Sizes from a few elements to past the first slot (64 KiB: the group grows), 2-D too.
+    report["rounds"] = rounds = 12
+    for it in range(rounds):
+        # Sizes from a few elements to past the first slot (64 KiB: the group grows), each in
+        # fp32 and bf16, 1-D and 2-D.
         k = [5, 1000, 3, 17000, 40, 60000][it % 6] + it
-        dtype = torch.bfloat16 if it % 3 == 2 else torch.float32
-        shape = (k,) if it % 2 else (k, 1)
+        dtype = torch.bfloat16 if it // 6 else torch.float32
+        shape = (k,) if it % 4 < 2 else (k, 1)
 
         def rand(*size, dtype=dtype):
             if dtype == torch.bfloat16:  # integers: sums are exact in any order
@@ -108,6 +110,13 @@ def compare_with_gloo():
             dist.all_gather_into_tensor(got, x, group=world)
         want = torch.empty_like(got)
         dist.all_gather_into_tensor(want, x, group=gloo)
+        check(got, want, exact=True)
+        # in place, as FSDP2 does it: the input is this rank's row of the output
+        got = torch.empty((n * shape[0], *shape[1:]), dtype=dtype)
+        mine = got.view(n, -1)[rank].view(shape)
+        mine.copy_(x)
+        with counted(report, world):
+            dist.all_gather_into_tensor(got, mine, group=world)
         check(got, want, exact=True)
         # reduce_scatter_tensor, sum and average
         y = rand(n * shape[0], *shape[1:])
@@ -153,7 +162,6 @@ def compare_with_gloo():
         )
         assert objs == ref, (objs, ref)
         report["checked"] += 1
-    report["generations"] = sb.collective_count(world)
     # Every rank computed bit-identical all-reduce results.
     digest = hashlib.sha256(b"".join(r.view(torch.uint8).numpy().tobytes() for r in results))
     digests = [None] * n
@@ -167,6 +175,25 @@ def compare_with_gloo():
     dist.reduce_scatter_tensor(want, big, group=gloo)
     check(got, want, exact=False)
     report["cap_delegated"] = sb.collective_count(world) == before
+    # Under a dispatch mode the shared-memory path runs as dispatcher ops (CommDebugMode sees
+    # them), with the same results.
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    x, y = torch.randn(6, generator=gen), torch.randn(6 * n, generator=gen)
+    with CommDebugMode() as mode, counted(report, world, ops=3):
+        mode.comm_registry.update(sb.DISPATCH_OPS)
+        got_ag, got_rs, got_ar = torch.empty(6 * n), torch.empty(6), x.clone()
+        dist.all_gather_into_tensor(got_ag, x, group=world)
+        dist.reduce_scatter_tensor(got_rs, y, group=world)
+        dist.all_reduce(got_ar, group=world)
+    report["seen_by_mode"] = {str(k): v for k, v in mode.get_comm_counts().items()}
+    want_ag, want_rs, want_ar = torch.empty(6 * n), torch.empty(6), x.clone()
+    dist.all_gather_into_tensor(want_ag, x, group=gloo)
+    dist.reduce_scatter_tensor(want_rs, y, group=gloo)
+    dist.all_reduce(want_ar, group=gloo)
+    check(got_ag, want_ag, exact=True)
+    check(got_rs, want_rs, exact=False)
+    check(got_ar, want_ar, exact=False)
     # Collectives without a shared-memory path, on the shared-memory default group.
     t = torch.full((4,), float(rank))
     dist.broadcast(t, src=1)
@@ -194,6 +221,7 @@ def compare_with_gloo():
         maps = f.read()
     report["memfd_mapped"] = f"/memfd:{sb.BACKEND}" in maps
     report["dev_shm_mapped"] = "/dev/shm/" in maps
+    report["generations"] = sb.collective_count(world)
     dist.barrier()
     return report
 
