@@ -12,6 +12,7 @@ exist before the fork), which costs a fraction of starting fresh interpreters.
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -136,11 +137,13 @@ def kill(workdir, out):
             with open(os.path.join(workdir, f"fds.{point}")) as f:
                 fds = json.load(f)
         report["runs"].append({"point": point, "victim": victim, "results": results, "fds": fds})
-    pids = [str(r["pid"]) for run in report["runs"] for r in run["results"]]
+    # Names these runs could have made: this backend's prefix, or one of their pids as a word
+    # of the name (other jobs use /dev/shm too: nothing else is looked at).
+    pids = {str(r["pid"]) for run in report["runs"] for r in run["results"]}
     report["left_in_dev_shm"] = sorted(
         name
         for name in os.listdir("/dev/shm")
-        if name.startswith(sb.BACKEND) or any(pid in name for pid in pids)
+        if name.startswith(sb.BACKEND) or pids & set(re.split(r"[^0-9A-Za-z]+", name))
     )
     with open(out, "w") as f:
         json.dump(report, f)
