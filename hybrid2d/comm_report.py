@@ -13,8 +13,8 @@ from collections import defaultdict
 import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
+from hybrid2d import shm_backend
 from hybrid2d.config import ModelConfig
-from hybrid2d.parallel.shm_comm import group_size
 
 # op name (as CommDebugMode reports it) -> (kind, which args hold the full buffer)
 _KIND = {
@@ -26,13 +26,10 @@ _KIND = {
     "c10d._reduce_scatter_base_": "fsdp_reduce_scatter",
     "c10d.reduce_scatter_tensor_coalesced_": "fsdp_reduce_scatter",
     "c10d.allreduce_": "scalar_all_reduce",
-    # parallel.shm_collectives (parallel/shm_comm.py): the same collectives through shared memory
-    "hybrid2d.shm_all_gather": "tp_all_gather",
-    "hybrid2d.shm_reduce_scatter": "tp_reduce_scatter",
-    "hybrid2d.shm_all_reduce": "tp_all_reduce",
-    "hybrid2d.shm_all_gather_into": "fsdp_all_gather",
-    "hybrid2d.shm_reduce_scatter_into": "fsdp_reduce_scatter",
 }
+# The shared-memory backend's calls, which dispatch modes see under these names (shm_backend.py).
+_KIND.update({str(op): _KIND[c10d_name] for op, c10d_name in shm_backend.DISPATCH_OPS.items()})
+_SAME_ARGS = {str(op): name for op, name in shm_backend.DISPATCH_OPS.items()}
 
 
 def _nbytes(t) -> int:
@@ -42,18 +39,13 @@ def _nbytes(t) -> int:
 
 
 def _payload(name: str, args) -> int:
+    name = _SAME_ARGS.get(name, name)  # the backend's ops take c10d's arguments
     if name == "c10d_functional.all_gather_into_tensor":
         return _nbytes(args[0]) * int(args[1])  # (input shard, group_size, group)
     if name in ("c10d._allgather_base_", "c10d.allgather_into_tensor_coalesced_"):
         return _nbytes(args[0])  # (output, input, ...)
-    if name in (
-        "c10d._reduce_scatter_base_",
-        "c10d.reduce_scatter_tensor_coalesced_",
-        "hybrid2d.shm_reduce_scatter_into",
-    ):
+    if name in ("c10d._reduce_scatter_base_", "c10d.reduce_scatter_tensor_coalesced_"):
         return _nbytes(args[1])
-    if name == "hybrid2d.shm_all_gather":  # (input shard, dim, group name)
-        return _nbytes(args[0]) * group_size(args[2])
     return _nbytes(args[0])
 
 
@@ -62,6 +54,7 @@ class CollectiveCounter(CommDebugMode):
 
     def __init__(self):
         super().__init__()
+        self.comm_registry.update(shm_backend.DISPATCH_OPS)
         self.counts: dict[str, int] = defaultdict(int)
         self.bytes: dict[str, int] = defaultdict(int)
 

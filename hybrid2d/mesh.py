@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from hybrid2d import shm_backend
 from hybrid2d.config import ConfigError, JobConfig
 
 # accelerate's --parallelism_config_* flags reach the processes as these variables.
@@ -96,12 +97,26 @@ class Mesh:
         return self.tp_mesh.get_local_rank()
 
 
-def init_distributed(device_type: str, timeout_s: int) -> None:
+def process_group_backend(device_type: str, shm_collectives: str) -> str:
+    """The one place the transport is chosen. CUDA: nccl. CPU: gloo, or with
+    parallel.shm_collectives auto/on the shared-memory backend (shm_backend.py), which serves
+    the collectives of ranks on one host through shared memory and hands the rest to gloo;
+    every group created afterwards (the mesh's included) inherits it."""
+    if device_type == "cuda":
+        return "nccl"
+    if shm_collectives == "off":
+        return "gloo"
+    shm_backend.register()
+    shm_backend.configure(shm_collectives)
+    return f"cpu:{shm_backend.BACKEND}"
+
+
+def init_distributed(device_type: str, timeout_s: int, shm_collectives: str = "auto") -> None:
     """Start the default process group (a one-rank group when not launched by a launcher)."""
     if dist.is_initialized():
         return
     rank, world, local_rank, _ = world_from_env()
-    backend = "nccl" if device_type == "cuda" else "gloo"
+    backend = process_group_backend(device_type, shm_collectives)
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
     timeout = timedelta(seconds=timeout_s)
@@ -155,6 +170,24 @@ def build_mesh(device_type: str, dp_replicate: int, dp_shard: int, tp: int) -> M
     return Mesh(mesh, flat_dp, device, dp_replicate, dp_shard, tp)
 
 
+def describe_transport(mesh: Mesh) -> str:
+    """What carries each mesh axis's collectives, for the start line: "nccl", "gloo", or
+    "shared memory (tp, dp_shard)" and the fallbacks' reasons."""
+    backend = dist.get_backend()
+    if shm_backend.BACKEND not in backend:
+        return backend
+    shared, other = [], []
+    for name in ("dp_replicate", "dp_shard", "tp"):
+        if mesh.mesh[name].size() > 1:
+            group = mesh.mesh[name].get_group()
+            if shm_backend.uses_shared_memory(group):
+                shared.append(name)
+            else:
+                other.append(f"{name}: {shm_backend.fallback_reason(group)}")
+    text = f"shared memory ({', '.join(shared)})" if shared else "gloo"
+    return text + (f", gloo for {'; '.join(other)}" if other else "")
+
+
 def set_cpu_threads() -> None:
     """Share the cores between the processes of this node unless the user chose a count."""
     if "OMP_NUM_THREADS" in os.environ:
@@ -180,9 +213,6 @@ def shutdown_distributed() -> None:
     peer abort (SIGABRT) instead of exiting with its own status. If a peer is gone the barrier
     fails and teardown is left to process exit.
     """
-    from hybrid2d.parallel.shm_comm import disable_all
-
-    disable_all()
     if not dist.is_initialized():
         return
     try:

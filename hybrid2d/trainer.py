@@ -19,6 +19,7 @@ from hybrid2d.mesh import (
     Mesh,
     apply_launcher_settings,
     build_mesh,
+    describe_transport,
     init_distributed,
     pick_device,
     print0,
@@ -31,7 +32,6 @@ from hybrid2d.models.llama import Llama
 from hybrid2d.optim import build_optimizer, build_scheduler, clip_grad_norm
 from hybrid2d.parallel import parallelize
 from hybrid2d.parallel.loss import cross_entropy
-from hybrid2d.parallel.shm_comm import apply_shm_collectives
 from hybrid2d.preemption import Preemption
 from hybrid2d.profiling.profiler import MemoryProfiler
 from hybrid2d.run_dir import create_run_dir, release_locks
@@ -49,16 +49,6 @@ def build_model(cfg: JobConfig, mesh: Mesh) -> Llama:
         print0(describe_load(load_pretrained(model, cfg.checkpoint.init_from)))
     else:
         model.init_weights(cfg.train.seed)
-    micro = cfg.train.micro_batch or max(1, cfg.train.global_batch // mesh.dp)
-    line = apply_shm_collectives(
-        model,
-        mesh,
-        cfg.parallel.shm_collectives,
-        activation_bytes=micro * cfg.train.seq_len * cfg.model.dim * 4,
-        timeout_s=cfg.parallel.timeout_s,
-    )
-    if line:
-        print0(line)
     return model
 
 
@@ -180,7 +170,7 @@ def run(cfg: JobConfig, set_on_cli: frozenset[str] | set[str] = frozenset()) -> 
     device_type = pick_device(cfg.train.device)
     if device_type == "cpu":
         set_cpu_threads()
-    init_distributed(device_type, cfg.parallel.timeout_s)
+    init_distributed(device_type, cfg.parallel.timeout_s, cfg.parallel.shm_collectives)
     try:
         return _train(cfg, build_mesh(device_type, dp_rep, dp_shard, tp))
     finally:
@@ -196,7 +186,7 @@ def _train(cfg: JobConfig, mesh: Mesh) -> dict:
     print0(
         f"hybrid2d: recipe {cfg.recipe}, {cfg.model.num_params() / 1e6:.1f}M params, mesh "
         f"dp_replicate={mesh.dp_replicate} x dp_shard={mesh.dp_shard} x tp={mesh.tp} on "
-        f"{mesh.device.type} ({dist.get_backend()}), run dir {run_dir}"
+        f"{mesh.device.type} ({describe_transport(mesh)}), run dir {run_dir}"
     )
     # A bad --checkpoint.resume fails here, on every rank, before data and model are built.
     resume_from = find_resume(cfg, run_dir)

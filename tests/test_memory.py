@@ -16,10 +16,12 @@ import pytest
 import torch
 from torch import nn
 
+from hybrid2d import recipes
 from hybrid2d.config import ConfigError
-from hybrid2d.profiling.estimate import MeshShape, estimate
+from hybrid2d.profiling.estimate import MeshShape, estimate, fsdp_shard
 from hybrid2d.profiling.measure import MemoryTracker, storage_bytes
 from hybrid2d.profiling.report import Entry, Report, html_page, write
+from hybrid2d.simulate import run_subprocess
 from hybrid2d.sizes import parse_size
 from tests.launch import REPO, check_ok, run_ranks
 
@@ -47,7 +49,6 @@ def test_mesh_and_size_parsing():
 
 
 def test_fsdp_shard_sizes_follow_torch_chunk():
-    from hybrid2d.profiling.estimate import fsdp_shard
 
     # 5 rows over 4 ranks: chunks of ceil(5/4)=2 rows -> 2, 2, 1, 0 real rows, 2 stored.
     assert [fsdp_shard((5, 3), 4, r) for r in range(4)] == [(6, 6), (6, 6), (6, 3), (6, 0)]
@@ -103,7 +104,6 @@ def test_tracker_peak_equals_torch_mem_tracker():
 
 
 def _fake_report(tmp_path):
-    from hybrid2d import recipes
 
     cfg = recipes.get("llama-debug")
     mesh = MeshShape(1, 2, 2)
@@ -262,7 +262,6 @@ def test_estimate_matches_measured_on_llama_debug(tmp_path_factory, dp, tp):
 
 @pytest.mark.slow
 def test_simulated_2x2_matches_real_4_process_run(tmp_path_factory):
-    from hybrid2d.profiling.simulate import run_subprocess
     from tests.workers.mem_steps import config
 
     real = measured(tmp_path_factory, 2, 2)
@@ -278,8 +277,6 @@ def test_simulated_2x2_matches_real_4_process_run(tmp_path_factory):
 def test_estimate_is_exact_with_uneven_fsdp_shards():
     """dp_shard=3 divides none of llama-debug's dims (256, 688, 4096): FSDP2 pads every shard,
     and the last rank's unpadded optimizer state is smaller. Simulated ranks 0 and 2 of 3x2."""
-    from hybrid2d import recipes
-    from hybrid2d.profiling.simulate import run_subprocess
 
     cfg = recipes.get("llama-debug")
     cfg.train.global_batch = 6
@@ -346,7 +343,6 @@ def test_trainer_profile_memory_writes_json_tensorboard_and_report(tmp_path):
     ranks = [json.loads((run_dir / "memory" / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [len(r["steps"]) for r in ranks] == [3, 3]
     last = ranks[0]["steps"][-1]
-    from hybrid2d import recipes
 
     cfg = recipes.get("llama-debug")
     est = estimate(cfg, MeshShape(1, 1, 2), 0, "cpu")

@@ -72,7 +72,7 @@ def run_hybrid2d(args):
 
     cfg = job_config(args)
     cfg.validate(dist.get_world_size() if dist.is_initialized() else args.dp * args.tp)
-    init_distributed(args.device, 300)
+    init_distributed(args.device, 300, cfg.parallel.shm_collectives)
     mesh = build_mesh(args.device, 1, args.dp, args.tp)
     trainer = Trainer(cfg, mesh)
     per = args.global_batch // mesh.dp

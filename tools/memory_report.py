@@ -10,7 +10,7 @@
 Settings of the recipe change as in training (--train.micro_batch 2, --train.seq_len 8192,
 --parallel.activation_checkpoint full, ...). --target says what the figures are for: cuda
 (default; bf16 mixed precision when the recipe says auto) or cpu (fp32). --simulate also runs
-rank 0 of each mesh on this machine over a fake process group (hybrid2d/profiling/simulate.py);
+rank 0 of each mesh on this machine over a fake process group (hybrid2d/simulate.py);
 when the recipe's micro batch would not fit in this machine's memory it simulates the largest
 micro batch that does and says so. --run-dir reads the per-rank figures a run made with
 --profile.memory and puts them next to the estimate. A Markdown and an HTML report are written
@@ -34,7 +34,9 @@ from hybrid2d.profiling.estimate import (  # noqa: E402
     MeshShape,
     estimate,
 )
+from hybrid2d.profiling.profiler import load_measured, summary_rows
 from hybrid2d.profiling.report import CATEGORIES, LABELS, Entry, Report, fmt_bytes, write  # noqa: E402
+from hybrid2d.simulate import run_subprocess
 from hybrid2d.sizes import parse_size  # noqa: E402
 
 # A simulated rank needs its tensors plus the Python/torch process (~0.5 GiB) and slack.
@@ -139,7 +141,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args, rest: list[str]) -> int:
-    from hybrid2d.profiling.profiler import load_measured, summary_rows
 
     measured: list[dict] = []
     if args.run_dir:
@@ -195,8 +196,6 @@ def run(args, rest: list[str]) -> int:
         entry_meshes.append(mesh)
         sim_entry = None
         if args.simulate:
-            from hybrid2d.profiling.simulate import run_subprocess
-
             budget = int(available_memory() * SIM_MEMORY_FRACTION)
             sim_cfg, why = pick_simulation_config(cfg, mesh, target, budget)
             if why:

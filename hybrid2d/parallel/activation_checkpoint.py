@@ -32,8 +32,6 @@ MODES = ("none", "full", "selective")
 @functools.cache
 def _saved_ops() -> frozenset:
     aten, funcol = torch.ops.aten, torch.ops._c10d_functional
-    import hybrid2d.parallel.shm_comm  # noqa: F401  (registers torch.ops.hybrid2d)
-
     ops = [
         aten.mm.default,
         aten.addmm.default,
@@ -46,9 +44,6 @@ def _saved_ops() -> frozenset:
         funcol.reduce_scatter_tensor.default,
         funcol.all_reduce.default,
         funcol.wait_tensor.default,
-        torch.ops.hybrid2d.shm_all_gather.default,
-        torch.ops.hybrid2d.shm_reduce_scatter.default,
-        torch.ops.hybrid2d.shm_all_reduce.default,
     ]
     return frozenset(ops)
 

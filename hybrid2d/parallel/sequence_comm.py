@@ -1,11 +1,11 @@
 """Sequence-parallel collectives on plain tensors, with their autograd mirror images.
 
-The DTensor path does the same communication through PrepareModuleInput / RowwiseParallel
-redistributions; on small per-rank work (CPU, small models) their dispatch costs more than the
-collectives. With parallel.direct_sp_comm a block calls these two functions itself:
-gather the sequence before attention / MLP (its backward reduce-scatters the gradient), and
-reduce-scatter the row-parallel output back to sequence shards (its backward all-gathers).
-Functional collectives are used so that CommDebugMode sees them as TP traffic.
+The tensor-parallel styles (tensor_parallel.py) call these: gather the sequence before attention
+/ MLP (backward reduce-scatters the gradient), reduce-scatter the row-parallel output back to
+sequence shards (backward all-gathers), and the vocab-parallel embedding. On plain tensors they
+cost one collective each, without DTensor's dispatch. Functional collectives are used so that
+CommDebugMode sees them as TP traffic; which transport carries them is the process group's
+business (mesh.py).
 """
 
 from __future__ import annotations
@@ -15,22 +15,14 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
-from hybrid2d.parallel.shm_comm import transport_for
-
 
 def _gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    shm = transport_for(group)
-    if shm is not None and shm.fits(x):  # parallel.shm_collectives: no layout copies either
-        return torch.ops.hybrid2d.shm_all_gather(x.contiguous(), 1, group.group_name)
     n = dist.get_world_size(group)
     out = funcol.all_gather_single(x.contiguous(), 0, group).wait()  # [n*b, s/n, ...]
     return out.unflatten(0, (n, x.shape[0])).movedim(0, 1).flatten(1, 2)  # [b, s, ...]
 
 
 def _reduce_scatter(y: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    shm = transport_for(group)
-    if shm is not None and shm.fits(y):
-        return torch.ops.hybrid2d.shm_reduce_scatter(y.contiguous(), 1, group.group_name)
     n = dist.get_world_size(group)
     chunks = y.unflatten(1, (n, y.shape[1] // n)).movedim(1, 0).flatten(0, 1)  # [n*b, s/n, ...]
     return funcol.reduce_scatter_single(chunks.contiguous(), "sum", 0, group).wait()
@@ -38,29 +30,7 @@ def _reduce_scatter(y: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 def all_reduce(x: torch.Tensor, op: str, group: dist.ProcessGroup) -> torch.Tensor:
     """Sum or max over the group (not differentiable)."""
-    shm = transport_for(group)
-    if shm is not None and shm.fits(x):
-        return torch.ops.hybrid2d.shm_all_reduce(x.contiguous(), op, group.group_name)
     return funcol.all_reduce(x, op, group).wait()
-
-
-class _SumGradOverGroup(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over the group. For a replicated weight
-    used on a slice of the data (sequence-parallel norms): each rank's gradient is a partial
-    sum of the weight's gradient."""
-
-    @staticmethod
-    def forward(ctx, w, group):
-        ctx.group = group
-        return w.view_as(w)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_reduce(grad, "sum", ctx.group), None
-
-
-def sum_grad_over_group(w: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    return _SumGradOverGroup.apply(w, group)
 
 
 class _GatherSequence(torch.autograd.Function):

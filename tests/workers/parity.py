@@ -9,6 +9,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from hybrid2d import shm_backend
 from hybrid2d.config import JobConfig, apply_overrides
 from hybrid2d.mesh import build_mesh, init_distributed, shutdown_distributed
 from tests.reference import global_batches, tiny_config
@@ -37,13 +38,15 @@ def main():
     cfg.parallel.dp_shard = int(dp) // dp_rep
     world = int(dp) * int(tp)
     cfg.validate(world)
-    init_distributed("cpu", 120)
+    init_distributed("cpu", 120, cfg.parallel.shm_collectives)
     from hybrid2d.trainer import Trainer
 
     mesh = build_mesh("cpu", dp_rep, int(dp) // dp_rep, int(tp))
     if os.environ.get("CHECK_NODES"):
         check_node_layout(mesh)
     trainer = Trainer(cfg, mesh)
+    groups = {"tp": mesh.tp_mesh.get_group(), "dp": mesh.mesh["dp_shard"].get_group()}
+    counts = []  # collectives served by shared memory per axis, after each step
     losses, norms = [], []
     per_rank = cfg.train.global_batch // mesh.dp
     for inputs, labels in global_batches(cfg):
@@ -53,17 +56,13 @@ def main():
         r = trainer.train_step(micro)
         losses.append(r.loss)
         norms.append(r.grad_norm)
+        counts.append({k: shm_backend.collective_count(g) for k, g in groups.items()})
     params = {}
     for name, p in trainer.model.named_parameters():
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         params[name] = full.detach().clone()
-    from hybrid2d.parallel import shm_comm
-
-    # Collectives served by shared memory, per group kind (parallel.shm_collectives).
-    shm = {
-        ("tp" if t.group is mesh.tp_mesh.get_group() else "dp"): t.generation
-        for t in shm_comm._TRANSPORTS.values()
-    }
+    # Collectives through shared memory per step after the first (which also grows slots).
+    shm = {k: (counts[-1][k] - counts[0][k]) / (len(counts) - 1) for k in groups if counts[-1][k]}
     if dist.get_rank() == 0:
         torch.save({"losses": losses, "norms": norms, "params": params, "shm": shm}, out)
     shutdown_distributed()  # barrier first: no rank tears gloo down under a peer

@@ -15,7 +15,7 @@ Two shortcuts keep large models affordable without changing what is allocated:
   outputs of the shape and dtype the real kernel would produce (found by running the op on the
   meta device). Elementwise work still runs, so a step costs seconds instead of TFLOPs.
 
-Run in its own process (`python -m hybrid2d.profiling.simulate SPEC.json OUT.json`) so that one
+Run in its own process (`python -m hybrid2d.simulate SPEC.json OUT.json`) so that one
 simulation's process group, RSS and peak never mix with another's; `run_subprocess` does that.
 """
 
@@ -36,6 +36,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 from hybrid2d.config import JobConfig
+from hybrid2d.mesh import build_mesh
+from hybrid2d.metrics import peak_rss_bytes
+from hybrid2d.models.llama import Llama
+from hybrid2d.profiling.measure import measure_step
+from hybrid2d.trainer import Trainer
 
 aten = torch.ops.aten
 
@@ -88,7 +93,6 @@ class SimulationMode(TorchDispatchMode):
 @contextlib.contextmanager
 def _noise_init():
     """Make `Llama.init_weights` fill each local shard with noise, never a full tensor."""
-    from hybrid2d.models.llama import Llama
 
     original = Llama.init_weights
 
@@ -136,11 +140,6 @@ def simulate(
     """
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from hybrid2d.mesh import build_mesh
-    from hybrid2d.metrics import peak_rss_bytes
-    from hybrid2d.profiling.measure import measure_step
-    from hybrid2d.trainer import Trainer
 
     start = time.perf_counter()
     cfg = prepare_config(cfg, mesh, target)
@@ -225,7 +224,7 @@ def run_subprocess(
             env.pop(var, None)
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
         proc = subprocess.run(
-            [sys.executable, "-m", "hybrid2d.profiling.simulate", spec, out],
+            [sys.executable, "-m", "hybrid2d.simulate", spec, out],
             env=env,
             capture_output=True,
             text=True,

@@ -1,0 +1,110 @@
+"""Who may import whom (docs/design.md), read from the source: the rooms, no cycles, and no
+hybrid2d import hidden inside a function to dodge one."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "hybrid2d"
+
+# room -> rooms of hybrid2d it may import (besides itself)
+ALLOWED = {
+    "config": set(),
+    "sizes": {"config"},
+    "models": {"config"},
+    "data": {"config"},
+    "mesh": {"config", "shm_backend"},
+    "shm_backend": {"config"},
+    "parallel": {"config", "models", "mesh"},
+}
+NEVER_TRAINER = ("parallel", "checkpoint", "config", "profiling", "models", "data", "mesh")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def room(module: str) -> str:
+    """hybrid2d.parallel.fsdp -> parallel; hybrid2d.trainer -> trainer."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def hybrid2d_imports(path: Path) -> list[tuple[str, bool]]:
+    """(imported hybrid2d module, inside a function?) for every import of a hybrid2d module."""
+    tree = ast.parse(path.read_text())
+    found = []
+
+    def visit(node, in_function):
+        for child in ast.iter_child_nodes(node):
+            nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(child, ast.Import):
+                names = [a.name for a in child.names if a.name.startswith("hybrid2d")]
+                found.extend((name, in_function) for name in names)
+            elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
+                if child.module.startswith("hybrid2d"):
+                    # `from hybrid2d.parallel import shm_comm` imports a module too
+                    for a in child.names:
+                        candidate = f"{child.module}.{a.name}"
+                        is_module = (PACKAGE.parent / candidate.replace(".", "/")).with_suffix(
+                            ".py"
+                        ).exists() or (PACKAGE.parent / candidate.replace(".", "/")).is_dir()
+                        found.append((candidate if is_module else child.module, in_function))
+            visit(child, nested)
+
+    visit(tree, False)
+    return found
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+GRAPH = {m: hybrid2d_imports(p) for m, p in MODULES.items()}
+
+
+def test_rooms_import_only_what_they_may():
+    bad = []
+    for module, imports in GRAPH.items():
+        allowed = ALLOWED.get(room(module))
+        for target, _ in imports:
+            target_room = room(target)
+            if target_room == room(module):
+                continue
+            if allowed is not None and target_room not in allowed:
+                bad.append(f"{module} imports {target}")
+            if room(module) in NEVER_TRAINER and target_room == "trainer":
+                bad.append(f"{module} imports {target}")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_hybrid2d_import_inside_a_function():
+    hidden = [f"{m} imports {t} inside a function" for m, i in GRAPH.items() for t, f in i if f]
+    assert not hidden, "\n".join(hidden)
+
+
+def test_no_import_cycles():
+    def with_packages(target):  # importing a.b.c runs a/b/__init__.py first
+        parts = target.split(".")
+        return {".".join(parts[:i]) for i in range(2, len(parts) + 1)}
+
+    edges = {
+        m: {t for target, _ in imports for t in with_packages(target) if t in MODULES and t != m}
+        for m, imports in GRAPH.items()
+    }
+    # A package's __init__ importing its own submodules is how packages work, not a cycle.
+    for m in edges:
+        edges[m] = {t for t in edges[m] if not t.startswith(m + ".")}
+    state: dict[str, int] = {}
+    cycles = []
+
+    def walk(node, stack):
+        state[node] = 1
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join(stack[stack.index(nxt) :] + [nxt]))
+            elif nxt not in state:
+                walk(nxt, stack + [nxt])
+        state[node] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            walk(m, [m])
+    assert not cycles, "\n".join(cycles)
