@@ -234,7 +234,9 @@ def _free_process_groups() -> None:
     exception" (pytorch#190489), a failed exit after a good run.
     """
     for obj in gc.get_objects():
-        if isinstance(obj, DeviceMesh):
+        # type(), not isinstance(): isinstance reads __class__, and torch.distributed's
+        # deprecated `reduce_op` object warns on every attribute read.
+        if issubclass(type(obj), DeviceMesh):
             registry = getattr(obj, "_pg_registry", None)
             if isinstance(registry, dict):
                 registry.clear()
