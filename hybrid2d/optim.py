@@ -60,22 +60,47 @@ def _replication_weight(p: torch.Tensor, world_size: int) -> float:
 def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     """Global L2 norm of all gradients across every rank, and clip them to max_norm.
 
-    One all-reduce over the world: each rank sums the squares of its local shards, weighted so
-    that a shard replicated on k ranks counts once. Same rule as torch.nn.utils.clip_grad_norm_
-    (coefficient max_norm / (norm + 1e-6), capped at 1). max_norm <= 0 only measures.
+    One all-reduce over the world: each rank adds up the squared norms of its local shards
+    (torch._foreach_norm, one call per group of shards of equal replication, device and dtype),
+    weighted so that a shard replicated on k ranks counts once. Same rule as
+    torch.nn.utils.clip_grad_norm_ (coefficient max_norm / (norm + 1e-6), capped at 1), applied
+    with one _foreach_mul_ per group. max_norm <= 0 only measures.
+
+    Measured against torch.nn.utils.get_total_norm + clip_grads_with_norm_ on the DTensor
+    gradients of a 2x2 TP x FSDP2 mesh (tests/workers/grad_norm.py): same norm, but torch's
+    helpers issue one all-reduce per sharded mesh dim (2 on 2x2) and took 2x as long per call.
     """
     grads = [p.grad for p in params if p.grad is not None]
     world = dist.get_world_size() if dist.is_initialized() else 1
     device = grads[0].device if grads else torch.device("cpu")
-    total = torch.zeros((), dtype=torch.float64, device=device)
+    groups: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
         local = g.to_local() if isinstance(g, DTensor) else g
-        total += local.double().pow(2).sum() * _replication_weight(g, world)
+        key = (_replication_weight(g, world), local.device, local.dtype)
+        groups.setdefault(key, []).append(local)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for (weight, _, _), local in groups.items():
+        squares = torch.stack(torch._foreach_norm(local, 2.0)).double().pow(2).sum()
+        total += squares.to(device) * weight
     if world > 1:
         dist.all_reduce(total)
     norm = total.sqrt().float()
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in grads:
-            (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.dtype))
+        for (_, dev, dtype), local in groups.items():
+            torch._foreach_mul_(local, coef.to(dev, dtype))
+    return norm
+
+
+@torch.no_grad()
+def torch_clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+    """clip_grad_norm through torch.nn.utils.get_total_norm / clip_grads_with_norm_ (as
+    torchtitan does): DTensor reduces each norm over the mesh dims its gradient is sharded on.
+    Kept as the reference clip_grad_norm is measured and tested against."""
+    params = [p for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
