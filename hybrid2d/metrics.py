@@ -16,10 +16,26 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
+def rss_bytes() -> int:
+    """Resident set size of this process now."""
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def device_peaks(device: torch.device) -> tuple[int, int]:
+    """(peak allocated by tensors, peak reserved by the caching allocator) on a CUDA device
+    since the last torch.cuda.reset_peak_memory_stats; (0, 0) on other devices."""
+    if device.type != "cuda":
+        return 0, 0
+    return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+
+
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak accelerator memory allocated by tensors on CUDA; peak process RSS on CPU."""
+    """The one peak-memory figure of a run: peak memory allocated by tensors on CUDA, peak
+    process RSS elsewhere."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
+        return device_peaks(device)[0]
     return peak_rss_bytes()
 
 
