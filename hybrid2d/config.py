@@ -549,8 +549,8 @@ def _split_args(args: list[str], leaves: dict) -> list[tuple[str, str]]:
                 raise ConfigError(
                     f"--{key} was removed (hybrid2d now always does what it enabled); drop it"
                 )
-            close = difflib.get_close_matches(key, leaves, n=1, cutoff=0.5)
-            hint = f"did you mean --{close[0]}?" if close else "--help lists the settings"
+            close = _closest_setting(key, list(leaves))
+            hint = f"did you mean --{close}?" if close else "--help lists the settings"
             raise ConfigError(f"unknown setting --{key}; {hint}")
         owner, f = leaves[key]
         kind = _hints(type(owner))[f.name]
@@ -568,6 +568,21 @@ def _split_args(args: list[str], leaves: dict) -> list[tuple[str, str]]:
             text, i = nxt, i + 2
         out.append((key, text))
     return out
+
+
+def _closest_setting(key: str, names: list[str]) -> str | None:
+    """The valid dotted name closest to `key`: the same field in another section (--lr ->
+    train.lr), else the most similar full name, else the most similar field name."""
+    field_name = key.rsplit(".", 1)[-1]
+    same_field = [n for n in names if n.rsplit(".", 1)[-1] == field_name]
+    if len(same_field) == 1:
+        return same_field[0]
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
+    if close:
+        return close[0]
+    by_field = {n.rsplit(".", 1)[-1]: n for n in names}
+    close = difflib.get_close_matches(field_name, list(by_field), n=1, cutoff=0.6)
+    return by_field[close[0]] if close else None
 
 
 def _cli_text(value) -> str:

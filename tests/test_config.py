@@ -236,6 +236,9 @@ def test_enumerated_settings_name_their_choices(capsys, monkeypatch, name):
     "args, expect",
     [
         (["--train.stepz", "5"], "did you mean --train.steps?"),
+        (["--lr", "0.1"], "did you mean --train.lr?"),
+        (["--model.lr", "0.1"], "did you mean --train.lr?"),
+        (["--train.learning_rate", "0.1"], "unknown setting --train.learning_rate"),
         (["--parallel.mixed_precison", "bf16"], "did you mean --parallel.mixed_precision?"),
         (["--train.lr"], "--train.lr needs a value"),
         (["train.lr", "1"], "unexpected argument 'train.lr'"),
@@ -362,3 +365,13 @@ def test_retired_key_after_its_field_is_gone(monkeypatch, capsys):
     assert JobConfig.from_dict(d) == JobConfig()
     line = _main_error(capsys, monkeypatch, "--train.old_knob", "3")
     assert "--train.old_knob was removed" in line
+
+
+@pytest.mark.parametrize("key", config_mod.RETIRED_KEYS)
+def test_retired_keys_on_the_command_line(capsys, monkeypatch, key):
+    """A retired setting is an ordinary one while its field exists, then an error naming it."""
+    if key in setting_names():
+        cfg = JobConfig()
+        assert apply_overrides(cfg, [f"--{key}", "false"]) == {key}
+    else:
+        assert f"--{key} was removed" in _main_error(capsys, monkeypatch, f"--{key}", "true")
