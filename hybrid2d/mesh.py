@@ -197,6 +197,36 @@ def set_cpu_threads() -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
 
 
+def agree(error: str | None, group=None) -> None:
+    """Raise ConfigError(first error of any rank) on every rank, or return on every rank.
+
+    Each rank runs its checks without raising, then this one collective makes all ranks fail
+    together, so none is left waiting at a later collective for a rank that gave up.
+    """
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        errors: list[str | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(errors, error, group=group)
+        error = next((e for e in errors if e), None)
+    if error:
+        raise ConfigError(error)
+
+
+def on_rank0(fn):
+    """fn() on global rank 0 only; every rank returns its result, or every rank raises the
+    ConfigError it raised (the error travels with the broadcast, so nobody waits for a rank 0
+    that gave up)."""
+    message = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            message[0] = fn()
+        except ConfigError as e:
+            message[1] = str(e)
+    dist.broadcast_object_list(message, src=0)
+    if message[1]:
+        raise ConfigError(message[1])
+    return message[0]
+
+
 def is_main_process() -> bool:
     return world_from_env()[0] == 0
 

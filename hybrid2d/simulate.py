@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
-from hybrid2d.config import JobConfig
+from hybrid2d.config import JobConfig, resolve_mixed_precision
 from hybrid2d.mesh import build_mesh
 from hybrid2d.metrics import peak_rss_bytes
 from hybrid2d.models.llama import Llama
@@ -114,8 +114,8 @@ def prepare_config(cfg: JobConfig, mesh: tuple[int, int, int], target: str) -> J
     """The run's config on `mesh` as the target device would run it, checked like a real run."""
     cfg = JobConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
     cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.tp = mesh
-    if cfg.parallel.mixed_precision == "auto":  # resolve for the target, not for this CPU
-        cfg.parallel.mixed_precision = "bf16" if target == "cuda" else "fp32"
+    # Resolved for the target, not for this CPU.
+    cfg.parallel.mixed_precision = resolve_mixed_precision(cfg.parallel.mixed_precision, target)
     cfg.parallel.compile = False  # eager: the memory model and the tracker assume it
     cfg.checkpoint.init_from = ""
     cfg.checkpoint.resume = ""

@@ -21,6 +21,7 @@ from hybrid2d.mesh import (
     build_mesh,
     describe_transport,
     init_distributed,
+    on_rank0,
     pick_device,
     print0,
     set_cpu_threads,
@@ -135,23 +136,6 @@ class Trainer:
 # ---- the whole run --------------------------------------------------------------------------
 
 
-def _prepare_run_dir(cfg: JobConfig) -> str:
-    """Rank 0 creates and locks the run directory; every rank learns its name, or the error.
-
-    The error travels with the broadcast so no rank waits for a rank 0 that gave up.
-    """
-    message = [None, None]
-    if dist.get_rank() == 0:
-        try:
-            message[0] = create_run_dir(cfg)
-        except ConfigError as e:
-            message[1] = str(e)
-    dist.broadcast_object_list(message, src=0)
-    if message[1]:
-        raise ConfigError(message[1])
-    return message[0]
-
-
 def _progress(total: int, enabled: bool):
     if not enabled or dist.get_rank() != 0:
         return None
@@ -181,7 +165,7 @@ def run(cfg: JobConfig, set_on_cli: frozenset[str] | set[str] = frozenset()) -> 
 def _train(cfg: JobConfig, mesh: Mesh) -> dict:
 
     torch.manual_seed(cfg.train.seed)
-    run_dir = _prepare_run_dir(cfg)
+    run_dir = on_rank0(lambda: create_run_dir(cfg))  # rank 0 creates and locks it
     main = dist.get_rank() == 0
     print0(
         f"hybrid2d: recipe {cfg.recipe}, {cfg.model.num_params() / 1e6:.1f}M params, mesh "

@@ -82,8 +82,13 @@ def write_model_dir(model: ModelConfig, path: str) -> None:
 
 def launch(kind: str, dp: int, tp: int, args, model_dir: str, extra: list[str]) -> dict:
     out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
+    worker, env = WORKER, dict(os.environ, TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
+    if kind == "baseline":  # hybrid2d as another checkout has it (--baseline)
+        worker = os.path.join(args.baseline, "tools", "bench_worker.py")
+        env["PYTHONPATH"] = args.baseline + os.pathsep + env.get("PYTHONPATH", "")
+        kind = "hybrid2d"
     common = [
-        WORKER,
+        worker,
         "--impl",
         kind,
         "--model-dir",
@@ -117,7 +122,6 @@ def launch(kind: str, dp: int, tp: int, args, model_dir: str, extra: list[str]) 
             str(_free_port()),
             *common,
         ]
-    env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"bench: {kind} {dp}x{tp} failed:\n{proc.stderr[-4000:]}")
@@ -145,6 +149,10 @@ def kinds_to_run(args) -> dict[str, tuple[str, list[str]]]:
     for lever in args.lever:  # "a=1,b=2": several settings in one run
         settings = [a for s in lever.split(",") for a in ("--set", s.strip())]
         kinds[f"hybrid2d + {lever}"] = ("hybrid2d", base + settings)
+    if args.baseline:  # the same runs with another checkout's code, alternating with ours
+        for label, (kind, extra) in list(kinds.items()):
+            if kind == "hybrid2d":
+                kinds[label.replace("hybrid2d", "baseline", 1)] = ("baseline", extra)
     return kinds
 
 
@@ -257,6 +265,13 @@ def check_args(args) -> list[tuple[int, int]]:
                 f"setting {setting!r} (--set / --lever) is not section.field=value, "
                 "e.g. parallel.compile=true"
             )
+    if args.baseline and not os.path.isfile(
+        os.path.join(args.baseline, "tools", "bench_worker.py")
+    ):
+        raise ConfigError(
+            f"--baseline {args.baseline!r} is not a hybrid2d checkout (no tools/bench_worker.py); "
+            "make one with `git worktree add DIR COMMIT`"
+        )
     meshes = []
     for text in args.mesh or ["2x2", "1x2"]:
         parts = text.lower().split("x")
@@ -320,6 +335,11 @@ def main(argv=None) -> int:
         type=float,
         help="peak TFLOP/s of one GPU (or of the whole CPU host) for MFU; default: the dense "
         f"bf16 peak of {', '.join(PEAK_FLOPS)}",
+    )
+    p.add_argument(
+        "--baseline",
+        help="a checkout of another hybrid2d version (e.g. `git worktree add /tmp/old main~5`): "
+        "its hybrid2d runs alternate with this tree's, labelled baseline",
     )
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)

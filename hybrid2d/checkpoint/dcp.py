@@ -59,28 +59,11 @@ from hybrid2d.checkpoint.reader import (
     read_metadata,
 )
 from hybrid2d.config import ConfigError, JobConfig
-from hybrid2d.mesh import print0
+from hybrid2d.mesh import agree, print0
 
 # Test hook: "STEP:RANK" makes that rank SIGKILL itself in the save of STEP, after the data was
 # written and before the checkpoint is published (the crash-safety test). Never set it otherwise.
 KILL_IN_SAVE_ENV = "HYBRID2D_TEST_KILL_IN_SAVE"
-
-
-# ---- agreement across ranks ------------------------------------------------------------------
-
-
-def agree(error: str | None, group=None) -> None:
-    """Raise ConfigError(first error of any rank) on every rank, or return on every rank.
-
-    Each rank runs its checks without raising, then this one collective makes all ranks fail
-    together, so none is left waiting at a later collective for a rank that gave up.
-    """
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        errors: list[str | None] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(errors, error, group=group)
-        error = next((e for e in errors if e), None)
-    if error:
-        raise ConfigError(error)
 
 
 def _checked(fn, *args):

@@ -11,10 +11,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from hybrid2d.config import resolve_mixed_precision
+
 
 def mixed_precision_policy(setting: str, device_type: str) -> MixedPrecisionPolicy:
-    """auto: bf16 compute with fp32 gradient reduction on CUDA; fp32 everywhere on CPU."""
-    if setting == "bf16" or (setting == "auto" and device_type == "cuda"):
+    """bf16: bf16 parameters for compute with fp32 gradient reduction; fp32: FSDP's default.
+    What "auto" means is decided in config.resolve_mixed_precision."""
+    if resolve_mixed_precision(setting, device_type) == "bf16":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
 
