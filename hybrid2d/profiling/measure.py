@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-from hybrid2d.metrics import peak_rss_bytes
+from hybrid2d.metrics import device_peaks, peak_rss_bytes, rss_bytes
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "communication", "activations")
 
@@ -338,15 +338,6 @@ class StepMemory:
         return dataclasses.asdict(self)
 
 
-def rss_bytes() -> int:
-    try:
-        import psutil
-
-        return psutil.Process().memory_info().rss
-    except ImportError:  # pragma: no cover - psutil is a dependency
-        return 0
-
-
 @contextlib.contextmanager
 def measure_step(
     model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int, rank: int = 0
@@ -388,7 +379,7 @@ def measure_step(
             peak_breakdown=dict(tracker.peak_breakdown),
             rss=rss_bytes(),
             rss_peak=peak_rss_bytes(),
-            device_peak=torch.cuda.max_memory_allocated(device) if cuda else 0,
-            device_reserved_peak=torch.cuda.max_memory_reserved(device) if cuda else 0,
+            device_peak=device_peaks(device)[0],
+            device_reserved_peak=device_peaks(device)[1],
         )
     )

@@ -22,6 +22,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from hybrid2d.config import resolve_mixed_precision
 from hybrid2d.profiling.estimate import MeshShape, estimate
 from hybrid2d.profiling.measure import measure_step
 from hybrid2d.profiling.report import Entry, Report, write
@@ -161,9 +162,7 @@ def load_measured(run_dir: str, step: int | None = None) -> list[dict]:
 
 def summary_rows(cfg, target: str) -> list[tuple[str, str]]:
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    mp = p.mixed_precision
-    if mp == "auto":
-        mp = "bf16" if target == "cuda" else "fp32"
+    mp = resolve_mixed_precision(p.mixed_precision, target)
     return [
         ("recipe", cfg.recipe),
         ("parameters", f"{m.num_params() / 1e6:,.1f}M"),
