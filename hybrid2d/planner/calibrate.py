@@ -48,7 +48,8 @@ except ImportError:  # pragma: no cover - depends on the trainer's version
 # Keeps a CPU calibration short: token counts above this are measured at this many tokens
 # (rates flatten well before), and each figure is timed for about MIN_TIME_S.
 CPU_MAX_TOKENS = 2048
-MIN_TIME_S = 0.06
+MIN_TIME_S = 0.03
+CPU_ROUNDS = 3
 
 
 def tp_choices(m: ModelConfig, limit: int) -> list[int]:
@@ -77,8 +78,9 @@ def _sync(device: torch.device) -> None:
 def timed(
     fn, device: torch.device, min_time: float = MIN_TIME_S, max_reps: int = 20, reps: int = 0
 ) -> float:
-    """Median seconds per call after one warm-up call: `reps` calls when given (collectives:
-    every rank must make the same number), else at least 3 and about `min_time` in all."""
+    """Fastest seconds per call after one warm-up call (the least disturbed on a shared
+    machine): `reps` calls when given (collectives: every rank must make the same number), else
+    at least 3 and about `min_time` in all."""
     fn()
     _sync(device)
     times = []
@@ -92,7 +94,7 @@ def timed(
         fn()
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 # ---- compute -------------------------------------------------------------------------------
@@ -251,19 +253,25 @@ def _intra_ops(group, largest: int):
     )
 
 
-def measure_link(ops, sizes: list[int], n: int, device) -> dict[str, list[float]]:
-    """{kind: [latency_s, bytes/s]} fitted to time = latency + ring_factor x payload / bw."""
+def measure_link(ops, sizes: list[int], n: int, device, rounds: int = 1) -> dict[str, list[float]]:
+    """{kind: [latency_s, bytes/s]} fitted to time = latency + ring_factor x payload / bw; each
+    (kind, size) is the median over `rounds` interleaved rounds of its fastest call."""
+    seconds: dict[tuple[str, int], list[float]] = {}
+    for _ in range(rounds):
+        for kind in KINDS:
+            for payload in sizes:
+                numel = max(n, payload // 4 // n * n)
+                x = torch.randn(numel // n if kind == "all_gather" else numel, device=device)
+                dist.barrier()
+                t = timed(lambda x=x, op=ops[kind]: op(x), device, reps=5)
+                seconds.setdefault((kind, numel), []).append(t)
     out = {}
     for kind in KINDS:
-        xs, ys = [], []
-        for payload in sizes:
-            numel = max(n, payload // 4 // n * n)
-            x = torch.randn(numel // n if kind == "all_gather" else numel, device=device)
-            dist.barrier()
-            seconds = timed(lambda x=x, op=ops[kind]: op(x), device, reps=7)
-            xs.append(ring_factor(kind, n) * numel * 4)
-            ys.append(seconds)
-        out[kind] = fit_latency_bandwidth(xs, ys)
+        points = sorted(
+            (numel, statistics.median(ts)) for (k, numel), ts in seconds.items() if k == kind
+        )
+        xs = [ring_factor(kind, n) * numel * 4 for numel, _ in points]
+        out[kind] = fit_latency_bandwidth(xs, [t for _, t in points])
     return out
 
 
@@ -339,6 +347,7 @@ def _measure(cfg: JobConfig, device: torch.device, world: int, threads: int) -> 
     tokens = token_counts(cfg, CPU_MAX_TOKENS if cpu else None)
     tps = tp_choices(m, 8)
     per = threads if cpu else 1  # rates per core on CPU
+    rounds = CPU_ROUNDS if cpu else 1
     started = time.perf_counter()
     res: dict = {"tokens": tokens, "tps": tps, "threads": threads, "procs": world}
 
@@ -346,27 +355,32 @@ def _measure(cfg: JobConfig, device: torch.device, world: int, threads: int) -> 
         if dist.is_initialized() and world > 1:
             dist.barrier()
 
-    res["matmul_table"] = []
+    # Every probe once per round, rounds interleaved, so that a shared machine's drift hits
+    # each alike; each figure is the median over rounds.
+    probes = {}
     for tp in tps:
         for n in tokens:
-            together()
-            rate = matmul_rate(m, n, tp, dtype, device) / per
-            res["matmul_table"].append([n, tp, rate])
-    res["attention_table"] = []
+            probes[("matmul", n, tp)] = lambda n=n, tp=tp: matmul_rate(m, n, tp, dtype, device)
     for tp in tps:
-        for n in tokens[:3]:
+        for n in sorted({max(n, S) for n in tokens[:3]}):
+            probes[("attention", n, tp)] = lambda n=n, tp=tp: attention_rate(
+                m, n, S, tp, dtype, device
+            )
+    for n in sorted({max(n, S) for n in tokens[:3]}):
+        probes[("elementwise", n, 1)] = lambda n=n: elementwise_bandwidth(m, n, S, dtype, device)
+    n_params = max(4096, min(4_000_000, m.num_params() // max(1, world)))
+    probes[("optimizer", 0, 0)] = lambda: 1.0 / optimizer_seconds_per_param(n_params, device)
+    found: dict[tuple, list[float]] = {}
+    for _ in range(rounds):
+        for key, probe in probes.items():
             together()
-            rate = attention_rate(m, max(n, S), S, tp, dtype, device) / per
-            res["attention_table"].append([max(n, S), tp, rate])
-    res["elementwise_table"] = []
-    for n in tokens[:3]:
-        together()
-        res["elementwise_table"].append(
-            [max(n, S), elementwise_bandwidth(m, max(n, S), S, dtype, device) / per]
-        )
-    together()
-    n_params = min(4_000_000, m.num_params() // max(1, world))
-    res["optimizer_s_per_param"] = optimizer_seconds_per_param(max(n_params, 4096), device) * per
+            found.setdefault(key, []).append(probe() / per)
+    rate = {key: statistics.median(values) for key, values in found.items()}
+    res["matmul_table"] = [[n, tp, r] for (k, n, tp), r in rate.items() if k == "matmul"]
+    res["attention_table"] = [[n, tp, r] for (k, n, tp), r in rate.items() if k == "attention"]
+    res["elementwise_table"] = [[n, r] for (k, n, _), r in rate.items() if k == "elementwise"]
+    res["optimizer_s_per_param"] = 1.0 / rate[("optimizer", 0, 0)]
+    res["rounds"] = rounds
     res["compute_s"] = time.perf_counter() - started
     together()
 
@@ -377,11 +391,11 @@ def _measure(cfg: JobConfig, device: torch.device, world: int, threads: int) -> 
         sizes = sorted({min(s, 64 << 20) for s in [*acts, block, root, 1 << 16]})
         group = dist.group.WORLD
         ops, how = _intra_ops(group, largest)
-        res["intra"] = measure_link(ops, sizes, world, device)
+        res["intra"] = measure_link(ops, sizes, world, device, rounds)
         res["intra_how"] = how
         if cpu:
             gloo = dist.new_group(backend="gloo")
-            res["inter"] = measure_link(_pg_ops(gloo), sizes, world, device)
+            res["inter"] = measure_link(_pg_ops(gloo), sizes, world, device, rounds)
             res["inter_how"] = "gloo over TCP (loopback)"
         res["collective_sizes"] = sizes
     res["seconds"] = time.perf_counter() - started
