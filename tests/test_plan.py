@@ -78,10 +78,12 @@ def test_activation_checkpointing_keeps_names_and_values(mode):
     model.load_state_dict(ref.state_dict())
     apply_ac(model, mode)
     assert list(model.state_dict()) == list(ref.state_dict())
-    calls = []  # MLP forwards: backward runs them again when blocks are checkpointed
+    # MLP calls: backward enters them again when blocks are checkpointed (a pre-hook: the
+    # recomputation stops early, inside the MLP, once it has what backward needs).
+    calls = []
     for m in (ref, model):
         for block in m.model.layers:
-            block.mlp.register_forward_hook(lambda mod, args, out, m=m: calls.append(m))
+            block.mlp.register_forward_pre_hook(lambda mod, args, m=m: calls.append(m))
     tokens = torch.randint(0, CFG.vocab_size, (2, 16))
     ref(tokens).sum().backward()
     model(tokens).sum().backward()
