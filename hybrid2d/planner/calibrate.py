@@ -220,11 +220,11 @@ def optimizer_seconds_per_param(n_params: int, device) -> float:
 
 def _pg_ops(group):
     def all_gather(x):
-        out = torch.empty(x.numel() * dist.get_world_size(group), dtype=x.dtype)
+        out = torch.empty(x.numel() * dist.get_world_size(group), dtype=x.dtype, device=x.device)
         dist.all_gather_into_tensor(out, x, group=group)
 
     def reduce_scatter(y):
-        out = torch.empty(y.numel() // dist.get_world_size(group), dtype=y.dtype)
+        out = torch.empty(y.numel() // dist.get_world_size(group), dtype=y.dtype, device=y.device)
         dist.reduce_scatter_tensor(out, y, group=group)
 
     def all_reduce(x):
@@ -233,12 +233,12 @@ def _pg_ops(group):
     return {"all_gather": all_gather, "reduce_scatter": reduce_scatter, "all_reduce": all_reduce}
 
 
-def _intra_ops(group, largest: int):
-    """The collectives ranks of one host use: the shared-memory transport where this version
-    of the trainer routes them above the process group, else the process group itself."""
+def _intra_ops(group, largest: int, device: torch.device):
+    """The collectives ranks of one host use: on CPU the shared-memory transport where this
+    version of the trainer routes them above the process group, else the process group itself."""
     enable = getattr(shm_comm, "enable", None)
-    if enable is None:
-        return _pg_ops(group), "process group"
+    if enable is None or device.type != "cpu":
+        return _pg_ops(group), f"the trainer's process group ({dist.get_backend(group)})"
     try:
         transport = enable(group, largest, 60)
     except Exception as e:  # ShmUnavailable and anything the transport refuses
@@ -390,7 +390,7 @@ def _measure(cfg: JobConfig, device: torch.device, world: int, threads: int) -> 
         largest = max([block, root, *acts])
         sizes = sorted({min(s, 64 << 20) for s in [*acts, block, root, 1 << 16]})
         group = dist.group.WORLD
-        ops, how = _intra_ops(group, largest)
+        ops, how = _intra_ops(group, largest, device)
         res["intra"] = measure_link(ops, sizes, world, device, rounds)
         res["intra_how"] = how
         if cpu:
@@ -524,6 +524,7 @@ def profile_from(raw: dict, cfg: JobConfig, device: str, base: Hardware | None) 
     hw.optimizer_s_per_param = raw["optimizer_s_per_param"]
     if "intra" in raw:
         hw.intra = Link(bandwidth=max(v[1] for v in raw["intra"].values()), measured=raw["intra"])
+        hw.sources["intra"] = f"measured with {raw['procs']} processes: {raw['intra_how']}"
     if "inter" in raw:
         hw.inter = Link(bandwidth=max(v[1] for v in raw["inter"].values()), measured=raw["inter"])
     hw.check("calibrated profile")
