@@ -1,4 +1,16 @@
-"""Start N local ranks of a script the way torchrun would (env://), for multi-process tests."""
+"""Start local ranks for multi-process tests without port races.
+
+No test picks a "free" port and hands it to a launcher: a port found free can be taken by
+another job before the launcher binds it. Instead
+- `run_ranks` hosts the ranks' TCPStore in this process on a port the OS assigns while binding
+  it, and tells the ranks to use it as torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE);
+- `torchrun(n, ...)` is torchrun --standalone: its agent binds port 0 for the rendezvous and for
+  the ranks' store;
+- `rendezvous_store()` hosts a c10d rendezvous store for launchers acting as several nodes
+  (`--rdzv-conf is_host=false`: every launcher joins it as a client);
+- accelerate picks its port itself (`--main_process_port 0`) and checks it before launching;
+  `retry_if_port_taken` reruns a launch whose output says the address was taken in between.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +18,72 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
+
+import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[1]
 
+PORT_TAKEN = ("address already in use", "eaddrinuse", "is utilizing it")
+
 
 def free_port() -> int:
+    """A port free right now (racy: another process can take it before it is used). Kept for
+    callers outside the tests this module serves; tests use the helpers below."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def host_store() -> dist.TCPStore:
+    """A TCPStore served from this process on a port the OS picked while binding it."""
+    return dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=600)
+    )
+
+
+def rendezvous_args(store: dist.TCPStore) -> list[str]:
+    """torchrun arguments that join a c10d rendezvous held in `store` (see rendezvous_store)."""
+    return [
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{store.port}",
+        "--rdzv-conf",
+        "is_host=false",
+        "--rdzv-id",
+        f"test-{store.port}",  # the same on every launcher of the job
+    ]
+
+
+def torchrun(nproc: int, *args: str) -> list[str]:
+    """The command line of a one-node torchrun launch (--standalone: ports picked by binding)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        *args,
+    ]
+
+
+def port_taken(*outputs: str | None) -> bool:
+    text = "\n".join(o or "" for o in outputs).lower()
+    return any(s in text for s in PORT_TAKEN)
+
+
+def retry_if_port_taken(launch: Callable[[], subprocess.CompletedProcess], attempts: int = 3):
+    """Run `launch()` (a launcher that picks its own port) again when its output says the port
+    was taken between the pick and the bind; any other outcome is returned as it is."""
+    for _ in range(attempts - 1):
+        proc = launch()
+        if proc.returncode == 0 or not port_taken(proc.stdout, proc.stderr):
+            return proc
+    return launch()
 
 
 def launcher_env(**extra: str) -> dict:
@@ -28,12 +97,14 @@ def launcher_env(**extra: str) -> dict:
         "LOCAL_WORLD_SIZE",
         "MASTER_ADDR",
         "MASTER_PORT",
+        "TORCHELASTIC_USE_AGENT_STORE",
     ):
         env.pop(var, None)
     return env
 
 
 def rank_env(rank: int, world: int, port: int, local_world: int | None = None) -> dict:
+    """The environment of one rank whose store another process (a launcher) serves on `port`."""
     local_world = local_world or world
     env = dict(os.environ)
     env.update(
@@ -43,6 +114,7 @@ def rank_env(rank: int, world: int, port: int, local_world: int | None = None) -
         LOCAL_WORLD_SIZE=str(local_world),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",
         OMP_NUM_THREADS="1",
         PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
     )
@@ -50,14 +122,15 @@ def rank_env(rank: int, world: int, port: int, local_world: int | None = None) -
 
 
 def run_ranks(
-    world: int, args: list[str], timeout: float = 300
+    world: int, args: list[str], timeout: float = 300, env: dict | None = None
 ) -> list[subprocess.CompletedProcess]:
-    """Run `python args...` as ranks 0..world-1; return each rank's completed process."""
-    port = free_port()
+    """Run `python args...` as ranks 0..world-1; return each rank's completed process. This
+    process serves their store, as torchrun's agent would."""
+    store = host_store()
     procs = [
         subprocess.Popen(
             [sys.executable, *args],
-            env=rank_env(r, world, port),
+            env={**rank_env(r, world, store.port), **(env or {})},
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -74,6 +147,8 @@ def run_ranks(
         for p in procs:
             if p.poll() is None:
                 p.kill()
+                p.wait()
+        del store
     return results
 
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.launch import REPO, free_port, launcher_env
+from tests.launch import REPO, launcher_env, retry_if_port_taken
 
 pytestmark = pytest.mark.slow
 
@@ -23,28 +23,30 @@ SCALARS = {
 def test_accelerate_launch_2x2_trains(tmp_path):
     run_dir = tmp_path / "run"
     env = launcher_env()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--config_file",
-            "recipes/accelerate/cpu_2x2.yaml",
-            "--main_process_port",
-            str(free_port()),
-            "recipes/llama.py",
-            "--train.steps",
-            "30",
-            "--metrics.run_dir",
-            str(run_dir),
-            "--data.cache_dir",
-            str(tmp_path / "cache"),
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    proc = retry_if_port_taken(  # accelerate picks the port (0) and checks it is free
+        lambda: subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "accelerate.commands.launch",
+                "--config_file",
+                "recipes/accelerate/cpu_2x2.yaml",
+                "--main_process_port",
+                "0",
+                "recipes/llama.py",
+                "--train.steps",
+                "30",
+                "--metrics.run_dir",
+                str(run_dir),
+                "--data.cache_dir",
+                str(tmp_path / "cache"),
+            ],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "dp_shard=2 x tp=2" in proc.stdout

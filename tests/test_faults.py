@@ -8,8 +8,9 @@ import sys
 import time
 
 import pytest
+import torch
 
-from tests.launch import REPO, free_port, launcher_env
+from tests.launch import REPO, launcher_env, torchrun
 
 SMALL = [
     "--model.dim",
@@ -44,16 +45,7 @@ def train(tmp_path, *args, world=1, timeout=300):
         *args,
     ]
     if world > 1:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(world),
-            "--master_port",
-            str(free_port()),
-            *cmd[1:],
-        ]
+        cmd = torchrun(world, *cmd[1:])
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -61,55 +53,87 @@ def error_lines(proc):
     return [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
 
 
-def test_nonfinite_loss_stops_naming_the_step(tmp_path):
+BLOW_UP = [  # SGD, an absurd learning rate, no clipping: the first update blows the weights up
+    "--train.optimizer",
+    "sgd",
+    "--train.lr",
+    "1e30",
+    "--train.grad_clip",
+    "0",
+    "--train.warmup_steps",
+    "0",
+]
+
+
+def model_at(run_dir, step, tmp_path) -> dict:
+    """The model tensors of the run's checkpoint of `step`, read by torch's own DCP reader."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path / f"model-{step}.pt"
+    dcp_to_torch_save(str(run_dir / "checkpoints" / f"step-{step:07d}"), str(out))
+    return torch.load(out, weights_only=False)["model"]
+
+
+def test_nonfinite_loss_stops_naming_the_step_before_any_checkpoint_of_it(tmp_path):
     run_dir = tmp_path / "run"
-    # SGD with an absurd learning rate and no clipping: the first update blows the weights up.
     proc = train(
         tmp_path,
-        "--train.optimizer",
-        "sgd",
-        "--train.lr",
-        "1e30",
-        "--train.grad_clip",
-        "0",
-        "--train.warmup_steps",
-        "0",
+        *BLOW_UP,
         "--train.steps",
+        "20",
+        "--checkpoint.every",
+        "1",
+        "--checkpoint.keep_last",
         "20",
         "--metrics.run_dir",
         str(run_dir),
     )
-    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert proc.returncode == 3, proc.stderr[-3000:]  # README: exit 3 naming the step
     (line,) = error_lines(proc)
     assert "step " in line and "not finite" in line
     step = int(line.split("step ")[1].split(":")[0])
     assert 1 < step <= 20
     assert not (run_dir / "summary.json").exists()
+    # Checkpointing every step: every step before it is saved, the stopped one is not.
+    ckpts = run_dir / "checkpoints"
+    saved = sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step-"))
+    assert saved == [f"step-{s:07d}" for s in range(1, step)], saved
+    assert (ckpts / "latest").read_text().strip() == f"step-{step - 1:07d}"
 
 
-def test_nonfinite_skip_keeps_training_without_updates(tmp_path):
+def test_nonfinite_skip_leaves_every_parameter_bit_identical(tmp_path):
     run_dir = tmp_path / "run"
     proc = train(
         tmp_path,
-        "--train.optimizer",
-        "sgd",
-        "--train.lr",
-        "1e30",
-        "--train.grad_clip",
-        "0",
-        "--train.warmup_steps",
-        "0",
+        *BLOW_UP,
         "--train.steps",
-        "6",
+        "5",
         "--train.on_nonfinite",
         "skip",
+        "--checkpoint.every",
+        "1",
+        "--checkpoint.keep_last",
+        "5",
         "--metrics.run_dir",
         str(run_dir),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "update skipped" in proc.stdout
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 6
+    skipped = [
+        int(ln.split()[1].rstrip(":"))
+        for ln in proc.stdout.splitlines()
+        if ln.endswith("update skipped")
+    ]
+    assert skipped and skipped == list(range(skipped[0], 6)), proc.stdout  # once NaN, always
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 5
+    # Steps 1.. before the first skip changed the weights; every skipped step left each tensor
+    # bit for bit as the step before it had it.
+    first = skipped[0]
+    before = model_at(run_dir, first - 1, tmp_path)
+    for step in skipped:
+        after = model_at(run_dir, step, tmp_path)
+        assert set(after) == set(before)
+        for name, t in before.items():
+            assert torch.equal(after[name], t), f"step {step} changed {name}"
 
 
 def test_unwritable_run_dir_is_one_line(tmp_path):
@@ -140,24 +164,37 @@ def test_unwritable_run_dir_two_ranks_no_hang(tmp_path):
     assert time.monotonic() - start < 60
 
 
+HOLD_LOCK = """
+import sys
+from hybrid2d.run_dir import acquire_lock
+acquire_lock(sys.argv[1])
+print("locked", flush=True)
+sys.stdin.read()  # hold the lock until the test closes stdin
+"""
+
+
 def test_second_run_in_same_dir_is_refused(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    holder = subprocess.Popen(  # a run holding the directory, as a run does: acquire_lock
+        [sys.executable, "-c", HOLD_LOCK, str(run_dir)],
+        cwd=REPO,
+        env=launcher_env(PYTHONPATH=str(REPO)),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
-        import socket
-
-        (run_dir / ".lock").write_text(
-            json.dumps({"host": socket.gethostname(), "pid": holder.pid})
-        )
+        assert holder.stdout.readline().strip() == "locked"
         proc = train(tmp_path, "--train.steps", "1", "--metrics.run_dir", str(run_dir))
         assert proc.returncode == 2
         (line,) = error_lines(proc)
-        assert "in use" in line and str(holder.pid) in line
+        assert "in use" in line and f"pid {holder.pid} " in line
     finally:
-        holder.kill()
+        holder.kill()  # dies without releasing: its lock file stays behind
         holder.wait()
-    # The holder is gone: its lock is stale and the next run takes it over.
+    assert (run_dir / ".lock").exists()
+    # README: a lock left by a dead process is taken over.
     proc = train(tmp_path, "--train.steps", "2", "--metrics.run_dir", str(run_dir))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not (run_dir / ".lock").exists()  # released at the end
@@ -168,14 +205,8 @@ def test_killed_rank_ends_job_quickly_naming_it(tmp_path):
     """kill -9 one rank mid-training: the launcher exits non-zero, naming the rank, in < 60 s."""
     env = launcher_env()
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "4",
-        "--master_port",
-        str(free_port()),
+    cmd = torchrun(
+        4,
         "recipes/llama.py",
         *SMALL,
         "--data.cache_dir",
@@ -188,7 +219,7 @@ def test_killed_rank_ends_job_quickly_naming_it(tmp_path):
         str(run_dir),
         "--parallel.timeout_s",
         "30",
-    ]
+    )
     launcher = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )

@@ -28,8 +28,15 @@ from tests.launch import REPO, check_ok, run_ranks
 MESHES = [(4, 1), (2, 2), (1, 4)]
 
 
+ESTIMATE_REL = 0.001  # README: estimate (and simulation) within 0.1% of the measurement
+
+
 def rel(a: float, b: float) -> float:
     return abs(a - b) / b
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.2f}"
 
 
 # ---- fast: parsing, the tracker, the report ---------------------------------------------------
@@ -211,9 +218,16 @@ def test_memory_report_cli_estimates_and_says_what_fits(tmp_path, capsys):
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "llama3.1-8b on mesh 8x8" in text and "parameters" in text
-    fits = text.split("fits in 80.00 GiB")[1]
-    assert "8x8" in fits and "yes" in fits  # 8B on 64 ranks fits; on one GPU it does not
-    assert "1x1" in fits and "NO" in fits
+    # Each mesh's verdict is read from that mesh's own row of the "fits" table.
+    rows = {}
+    for ln in text.split("fits in 80.00 GiB per device")[1].splitlines()[1:]:
+        if not ln.startswith("  "):
+            break
+        mesh_name, *rest = ln.split()
+        rows[mesh_name] = rest
+    assert set(rows) == {"8x8", "1x1"}, text
+    assert rows["8x8"][2] == "yes", rows  # 8B on 64 ranks fits; on one GPU it does not
+    assert rows["1x1"][2] == "NO", rows
     assert (out / "memory_report.md").exists() and (out / "memory_report.html").exists()
     assert memory_report.main(["--recipe", "llama-debug", "--mesh", "3x3"]) == 2
     assert "error:" in capsys.readouterr().err
@@ -239,25 +253,60 @@ def measured(tmp_path_factory, dp, tp):
     return _measured[dp, tp]
 
 
+# estimate.py's loss phase counts 4 logits-sized transients when tp > 1 (`loss_k`); the
+# vocab-parallel loss of parallel/loss.py holds 3 since the TP plan moved out of the model
+# (softmax in place, local backward), so the estimate is one fp32 logits shard high there:
+# measured 2026-12-03, activations 69.70 / 77.66 MiB on (2,2), 78.75 / 86.67 MiB on (1,4).
+LOSS_K_BUG = pytest.mark.xfail(
+    strict=True,
+    reason="estimate.py loss_k=4 for tp>1: one logits shard (8 MiB, ~10%) above the measured "
+    "loss-parallel peak",
+)
+ESTIMATE_MESHES = [
+    pytest.param(d, t, id=f"dp{d}xtp{t}", marks=[LOSS_K_BUG] if t > 1 else []) for d, t in MESHES
+]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dp,tp", MESHES, ids=[f"dp{d}xtp{t}" for d, t in MESHES])
-def test_estimate_matches_measured_on_llama_debug(tmp_path_factory, dp, tp):
+def test_tracker_matches_fsdp_mem_tracker_and_state_is_exact(tmp_path_factory, dp, tp):
     from tests.workers.mem_steps import config
 
     cfg = config(dp, tp)
     for rank, res in enumerate(measured(tmp_path_factory, dp, tp)):
         m = res["steps"][-1]  # steady state: optimizer state exists
         est = estimate(cfg, MeshShape(1, dp, tp), rank, "cpu")
+        print(
+            f"dp{dp}xtp{tp} rank {rank}: params+grads+opt "
+            f"{mib(est.parameters + est.gradients + est.optimizer)}, activations measured / "
+            f"estimated {mib(m['activations'])} / {mib(est.activations)}, peak "
+            f"{mib(m['peak'])} / {mib(est.peak)}, FSDPMemTracker "
+            f"{mib(res['torch_fsdp_mem_tracker_peak'])} MiB"
+        )
         # Parameters, gradients, optimizer state: to the byte, per rank.
         assert (est.parameters, est.gradients, est.optimizer) == (
             m["parameters"],
             m["gradients"],
             m["optimizer"],
         ), rank
-        assert rel(est.activations, m["activations"]) <= 0.15, (rank, est, m)
-        assert rel(est.peak, m["peak"]) <= 0.15, (rank, est, m)
-        # The tracker itself agrees with PyTorch's FSDPMemTracker on the next step.
-        assert rel(m["peak"], res["torch_fsdp_mem_tracker_peak"]) <= 0.02, (rank, m, res)
+        # README: the tracker and PyTorch's FSDPMemTracker give the same peak to 0.01 MiB.
+        fsdp_peak = res["torch_fsdp_mem_tracker_peak"]
+        assert abs(m["peak"] - fsdp_peak) <= 0.01 * 2**20, (rank, m["peak"], fsdp_peak)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp,tp", ESTIMATE_MESHES)
+def test_estimate_matches_measured_on_llama_debug(tmp_path_factory, dp, tp):
+    from tests.workers.mem_steps import config
+
+    cfg = config(dp, tp)
+    for rank, res in enumerate(measured(tmp_path_factory, dp, tp)):
+        m = res["steps"][-1]
+        est = estimate(cfg, MeshShape(1, dp, tp), rank, "cpu")
+        # README: estimate and measurement agree within 0.1% (an estimate that forgot the
+        # logits, or any activation of a block, is off by more than that).
+        assert rel(est.activations, m["activations"]) <= ESTIMATE_REL, (rank, est, m)
+        assert rel(est.peak, m["peak"]) <= ESTIMATE_REL, (rank, est, m)
 
 
 @pytest.mark.slow
@@ -269,8 +318,14 @@ def test_simulated_2x2_matches_real_4_process_run(tmp_path_factory):
         sim = run_subprocess(config(2, 2), (1, 2, 2), rank=rank, target="cpu", timeout=600)
         s, m = sim["memory"], real[rank]["steps"][-1]
         assert sim["world_size"] == 4 and sim["skip_compute"]
-        for key in ("parameters", "gradients", "optimizer", "activations", "peak"):
-            assert rel(s[key], m[key]) <= 0.10, (rank, key, s[key], m[key])
+        print(
+            f"2x2 rank {rank} simulated / measured: "
+            + ", ".join(f"{k} {mib(s[k])} / {mib(m[k])}" for k in ("activations", "peak"))
+        )
+        for key in ("parameters", "gradients", "optimizer"):
+            assert s[key] == m[key], (rank, key, s[key], m[key])
+        for key in ("activations", "peak"):  # README: within 0.1%, as the estimate
+            assert rel(s[key], m[key]) <= ESTIMATE_REL, (rank, key, s[key], m[key])
 
 
 @pytest.mark.slow

@@ -7,7 +7,16 @@ import sys
 import pytest
 import torch
 
-from tests.launch import REPO, check_ok, free_port, launcher_env, run_ranks
+from tests.launch import (
+    REPO,
+    check_ok,
+    free_port,
+    host_store,
+    launcher_env,
+    port_taken,
+    rendezvous_args,
+    run_ranks,
+)
 from tests.reference import tiny_config, train_single_process
 from tests.test_parity import assert_matches
 
@@ -15,11 +24,20 @@ pytestmark = pytest.mark.slow
 
 
 def two_node_launch(tmp_path, launcher: str, dp: int, tp: int, dp_replicate: int):
-    out = tmp_path / "out.pt"
-    port = free_port()
+    """torchrun: both launchers join a rendezvous this process hosts (the workers' store is on a
+    port node 0's agent binds itself). accelerate needs a known port for node 0 to bind: the
+    pair is started again if node 0 finds it taken (accelerate checks it before launching)."""
+    for _ in range(3):
+        errs = _start_two_nodes(tmp_path, launcher, dp, tp, dp_replicate)
+        if errs is not None:
+            return torch.load(tmp_path / "out.pt")
+    raise AssertionError("node 0 found its port taken three times")
+
+
+def _start_two_nodes(tmp_path, launcher, dp, tp, dp_replicate):
     worker = [
         "tests/workers/parity.py",
-        str(out),
+        str(tmp_path / "out.pt"),
         str(dp),
         str(tp),
         "sgd",
@@ -29,6 +47,8 @@ def two_node_launch(tmp_path, launcher: str, dp: int, tp: int, dp_replicate: int
     env = launcher_env(
         CHECK_NODES="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
     )
+    store = host_store() if launcher == "torchrun" else None
+    port = free_port() if store is None else None
     nodes = []
     for node in (0, 1):
         if launcher == "accelerate":
@@ -60,10 +80,7 @@ def two_node_launch(tmp_path, launcher: str, dp: int, tp: int, dp_replicate: int
                 str(node),
                 "--nproc_per_node",
                 "2",
-                "--master_addr",
-                "127.0.0.1",
-                "--master_port",
-                str(port),
+                *rendezvous_args(store),
                 *worker,
             ]
         nodes.append(
@@ -71,10 +88,20 @@ def two_node_launch(tmp_path, launcher: str, dp: int, tp: int, dp_replicate: int
                 cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
             )
         )
-    for p in nodes:
-        _, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err[-4000:]
-    return torch.load(out)
+    try:
+        out0, err0 = nodes[0].communicate(timeout=300)
+        if nodes[0].returncode != 0 and store is None and port_taken(out0, err0):
+            return None  # node 1 may be waiting on whoever holds the port: start again
+        assert nodes[0].returncode == 0, err0[-4000:]
+        _, err1 = nodes[1].communicate(timeout=300)
+        assert nodes[1].returncode == 0, err1[-4000:]
+        return err0 + err1
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        del store
 
 
 @pytest.mark.parametrize(

@@ -5,12 +5,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.launch import REPO, free_port, launcher_env
+from tests.launch import REPO, launcher_env, torchrun
 from tests.test_faults import SMALL, _rank_pid
 
 pytestmark = pytest.mark.slow
@@ -20,19 +19,12 @@ STEPS = 20
 
 def launch(tmp_path, run_dir, restarts: int) -> subprocess.Popen:
     env = launcher_env()
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
+    # --standalone: c10d rendezvous (each restart attempt is a new round) on ports the agent
+    # binds itself.
+    cmd = torchrun(
+        2,
         "--max_restarts",
         str(restarts),
-        # c10d rendezvous, as torchrun recommends for restarts: each attempt is a new round.
-        "--rdzv_backend",
-        "c10d",
-        "--rdzv_endpoint",
-        f"127.0.0.1:{free_port()}",
         "recipes/llama.py",
         *SMALL,
         "--data.cache_dir",
@@ -49,7 +41,7 @@ def launch(tmp_path, run_dir, restarts: int) -> subprocess.Popen:
         str(run_dir),
         "--parallel.timeout_s",
         "30",
-    ]
+    )
     return subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
