@@ -120,8 +120,10 @@ def test_list_shows_recipes_with_sizes():
 
 
 def test_published_shapes_fit_tp8():
+    """tp=8 (one node) divides heads, kv heads, ffn and vocabulary of the published shapes."""
     for name in ("llama3.1-8b", "llama3.1-70b"):
         cfg = recipes.get(name)
+        cfg.parallel.tp, cfg.train.micro_batch = 8, 0
         assert cfg.validate(64) == (1, 8, 8)
 
 

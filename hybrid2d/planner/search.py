@@ -94,8 +94,8 @@ def mesh_problem(cfg: JobConfig, mesh: MeshShape, gpus_per_node: int) -> str | N
     """Why the trainer cannot run cfg on this mesh here, or None."""
     if mesh.tp > gpus_per_node or gpus_per_node % mesh.tp:
         return f"tp={mesh.tp} crosses nodes ({gpus_per_node} GPUs per node)"
-    try:
-        job_on_mesh(cfg, mesh)
+    try:  # the micro batch is the search's to choose, not the mesh's problem
+        job_on_mesh(variant(cfg, mesh, train__micro_batch=0), mesh)
     except ConfigError as e:
         return str(e)
     return None
