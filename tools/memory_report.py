@@ -243,8 +243,8 @@ def run(args, rest: list[str]) -> int:
             best = e.values("simulated") or e.values("estimated")
             line = f"  {e.mesh:36s} {fmt_bytes(best['peak']):>12s}  {'yes' if e.fits() else 'NO '}"
             if not e.fits() and e.simulated is None:
-                line += "  " + micro_batch_advice(cfg, mesh, target, limit)
-                notes.append(f"mesh {e.mesh}: " + micro_batch_advice(cfg, mesh, target, limit))
+                e.remedy = micro_batch_advice(cfg, mesh, target, limit)
+                line += "  " + e.remedy
             print(line)
         print()
 

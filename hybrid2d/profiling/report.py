@@ -54,6 +54,7 @@ class Entry:
     measured: list[dict] = field(default_factory=list)  # StepMemory dicts, one per rank
     device_memory: int | None = None
     headroom: float = 0.0
+    remedy: str = ""  # for a mesh that does not fit: what would (as the terminal prints it)
 
     def values(self, source: str, rank: int = 0) -> dict[str, int] | None:
         if source == "estimated" and self.estimate:
@@ -110,12 +111,13 @@ def markdown(rep: Report) -> str:
             f"## Which meshes fit in {fmt_bytes(mem)} per device "
             f"(keeping {head:.0%} for the allocator and the runtime)",
             "",
-            "| mesh | total per rank | fits |",
-            "|---|---|---|",
+            "| mesh | total per rank | fits | what would fit |",
+            "|---|---|---|---|",
         ]
         for e in fit_rows:
             best = e.values("simulated") or e.values("estimated") or e.values("measured")
-            out.append(f"| {e.mesh} | {fmt_bytes(best['peak'])} | {'yes' if e.fits() else 'no'} |")
+            ok = "yes" if e.fits() else "no"
+            out.append(f"| {e.mesh} | {fmt_bytes(best['peak'])} | {ok} | {e.remedy} |")
         out.append("")
     for e in rep.entries:
         srcs = e.sources()
@@ -314,9 +316,10 @@ def html_page(rep: Report) -> str:
                     _esc(e.mesh),
                     _esc(fmt_bytes(best["peak"])),
                     f'<span class="{"yes" if ok else "no"}">{"yes" if ok else "no"}</span>',
+                    _esc(e.remedy),
                 ]
             )
-        body.append(_table(["mesh", "total per rank", "fits"], rows, "fit"))
+        body.append(_table(["mesh", "total per rank", "fits", "what would fit"], rows, "fit"))
         body.append(
             svg_grouped_bars(
                 "total per rank by mesh",
@@ -357,6 +360,7 @@ def html_page(rep: Report) -> str:
         if per_rank:
             for est in e.estimate_per_rank:
                 marks[str(est["rank"])] = est["peak"]
+            per_rank, marks = group_identical_ranks(per_rank, marks)
             body.append(
                 svg_stacked_bars(
                     f"mesh {e.mesh}: {src} peak per rank, by category", per_rank, marks or None
@@ -388,6 +392,39 @@ def html_page(rep: Report) -> str:
         + "\n".join(body)
         + "\n</body>\n</html>\n"
     )
+
+
+def group_identical_ranks(
+    per_rank: list[tuple[str, dict]], marks: dict[str, float]
+) -> tuple[list[tuple[str, dict]], dict[str, float]]:
+    """One bar per distinct (breakdown, mark): on a large mesh most ranks are identical (they
+    differ only by FSDP's padding on the last shards), so hundreds of bars become a few,
+    labelled with their ranks and count ("0-62 (x63)")."""
+    groups: dict[tuple, list[str]] = {}
+    for rank, parts in per_rank:
+        key = (tuple(sorted(parts.items())), marks.get(rank))
+        groups.setdefault(key, []).append(rank)
+    if len(groups) == len(per_rank):
+        return per_rank, marks
+    bars, new_marks = [], {}
+    for (parts, mark), ranks in groups.items():
+        label = _rank_label(ranks)
+        bars.append((label, dict(parts)))
+        if mark is not None:
+            new_marks[label] = mark
+    return bars, new_marks
+
+
+def _rank_label(ranks: list[str]) -> str:
+    if len(ranks) == 1:
+        return ranks[0]
+    nums = [int(r) for r in ranks]
+    span = (
+        f"{nums[0]}-{nums[-1]}"
+        if nums == list(range(nums[0], nums[-1] + 1))
+        else (f"{nums[0]}, {nums[1]}, ...")
+    )
+    return f"{span} (x{len(ranks)})"
 
 
 def write(rep: Report, out: str) -> tuple[str, str]:
