@@ -140,6 +140,9 @@ class TrainConfig:
     on_nonfinite: Literal["stop", "skip"] = "stop"
     # Seed of the weight initialization and of the data order.
     seed: int = 0
+    # Validation loss every N steps (and after the last step) when there is validation data
+    # (data.val_path or data.val_fraction); 0: only after the last step.
+    eval_every: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto | cpu | cuda
 
 
@@ -158,6 +161,14 @@ class DataConfig:
     cache_dir: str = ""  # "" -> ~/.cache/hybrid2d
     # Characters of the built-in corpus to use (0: all of it). Keeps the CPU default quick.
     max_chars: int = 4_000_000
+    # auto: .jsonl files whose first line has prompt/completion or messages are instruction
+    # data (one padded sample per line, loss on the completion / assistant turns), anything
+    # else text; text | instruct force one.
+    format: Literal["auto", "text", "instruct"] = "auto"
+    # Held-out data for validation, in data.path's formats ("": none, or data.val_fraction).
+    val_path: str = ""
+    # Fraction of data.path's samples held out for validation when data.val_path is "" (0: none).
+    val_fraction: float = 0.0
 
 
 @dataclass
@@ -180,8 +191,9 @@ class CheckpointConfig:
     """Saving, resuming and initializing from checkpoints."""
 
     every: int = 0  # save every N steps; 0: only at the end (when enabled)
-    # Save a checkpoint after the last step.
-    save_final: bool = False
+    # Save a checkpoint after the last step (on by default: every finished run can be
+    # generated from, exported and resumed).
+    save_final: bool = True
     # Keep the newest N checkpoints of the run, delete older ones.
     keep_last: int = 3
     # Write checkpoints from a background thread while training goes on.
@@ -329,6 +341,17 @@ class JobConfig:
                 f"train.global_batch={t.global_batch} is not divisible by the data-parallel size "
                 f"{dp} (dp_replicate x dp_shard); use a multiple of {dp}"
             )
+        d = self.data
+        if d.val_path and d.val_fraction:
+            raise ConfigError(
+                f"data.val_path={d.val_path!r} and data.val_fraction={d.val_fraction} both name "
+                "validation data; set one of them"
+            )
+        if t.eval_every and not (d.val_path or d.val_fraction):
+            raise ConfigError(
+                f"train.eval_every={t.eval_every} needs validation data; set data.val_path or "
+                "data.val_fraction"
+            )
         local = t.global_batch // dp
         if t.micro_batch and local % t.micro_batch:
             raise ConfigError(
@@ -430,6 +453,8 @@ LIMITS: dict[str, Range] = {
     "train.grad_clip": Range(0, note="0: no clipping"),
     "train.seed": Range(0, 2**63, hi_open=True),
     "data.max_chars": Range(0, note="0: all of it"),
+    "data.val_fraction": Range(0, 0.5, hi_open=True, note="0: no held-out part"),
+    "train.eval_every": Range(0, note="0: only after the last step"),
     "metrics.log_every": _AT_LEAST_1,
     "checkpoint.every": Range(0, note="0: only at the end"),
     "checkpoint.keep_last": _AT_LEAST_1,

@@ -14,7 +14,9 @@ import torch.distributed as dist
 from hybrid2d.checkpoint.dcp import Checkpointer, find_resume
 from hybrid2d.checkpoint.hf import adopt_source_model, describe_load, load_pretrained
 from hybrid2d.config import ConfigError, JobConfig
-from hybrid2d.data import build_data
+from hybrid2d.data import EvalSet, build_run_data
+from hybrid2d.data.chat import tokenizer_side_files
+from hybrid2d.data.tokenizer import describe_tokenizer
 from hybrid2d.mesh import (
     Mesh,
     apply_launcher_settings,
@@ -32,7 +34,7 @@ from hybrid2d.metrics import MetricsWriter, flops_per_token, peak_memory_bytes
 from hybrid2d.models.llama import Llama
 from hybrid2d.optim import build_optimizer, build_scheduler, clip_grad_norm
 from hybrid2d.parallel import parallelize
-from hybrid2d.parallel.loss import cross_entropy
+from hybrid2d.parallel.loss import cross_entropy, loss_tokens
 from hybrid2d.preemption import Preemption
 from hybrid2d.profiling.profiler import MemoryProfiler
 from hybrid2d.run_dir import create_run_dir, release_locks
@@ -79,21 +81,43 @@ class Trainer:
         self.step = 0
         self.skipped_steps: list[int] = []  # steps whose update was skipped (non-finite)
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float):
-        loss = cross_entropy(self.model(inputs), labels)
+    def forward_backward(
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        scale: float,
+        divide_by: float | None = None,
+    ):
+        """Summed token loss / divide_by (None: the mean over this batch's loss tokens),
+        backward of it times scale; returns the loss."""
+        loss = cross_entropy(self.model(inputs), labels, divide_by)
         (loss * scale).backward()
         return loss.detach()
+
+    def global_loss_tokens(self, micro_batches) -> int:
+        """Loss tokens (labels other than -100) in the whole global batch: this rank's micro
+        batches, summed over the dp ranks (one all-reduce; tp ranks of a dp group agree)."""
+        count = sum(loss_tokens(labels) for _, labels in micro_batches).to(self.mesh.device)
+        if self.mesh.dp > 1:
+            dist.all_reduce(count, group=self.mesh.dp_mesh.get_group())
+        return int(count.item())
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
         """Forward/backward over this dp rank's micro batches, clip, step.
 
-        Each micro batch's mean loss is scaled by 1/n so the gradient is that of the mean over
-        the rank's batch; FSDP's reduce-scatter then averages over dp ranks.
+        The loss is normalised by the loss tokens of the whole global batch: each micro batch's
+        summed token loss is divided by that global count N (labels -100 do not count), so the
+        gradient is that of the mean over every loss token of the step whatever the dp size and
+        micro batching, even when samples hold uneven numbers of loss tokens. FSDP's
+        reduce-scatter averages gradients over the dp ranks (divides by dp), hence the backward
+        of loss x dp. The reported loss is the global mean per loss token.
         """
         start = time.perf_counter()
         self.model.train()
         device = self.mesh.device
         n = len(micro_batches)
+        total_tokens = self.global_loss_tokens(micro_batches)
+        divide_by = float(max(total_tokens, 1))
         loss_sum = torch.zeros((), device=device)
         defer = self.cfg.parallel.defer_grad_sync and n > 1
         for i, (inputs, labels) in enumerate(micro_batches):
@@ -101,10 +125,12 @@ class Trainer:
                 last = i == n - 1
                 self.model.set_requires_gradient_sync(last)
                 self.model.set_requires_all_reduce(last)  # HSDP's all-reduce across replicas
-            loss_sum += self.forward_backward(inputs.to(device), labels.to(device), 1.0 / n)
+            loss_sum += self.forward_backward(
+                inputs.to(device), labels.to(device), float(self.mesh.dp), divide_by
+            )
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip).item()
-        # Every rank sees the same dp-mean loss and global norm, so all take the same branch.
-        loss = self.dp_mean(loss_sum / n)
+        # Every rank sees the same global loss and norm, so all take the same branch.
+        loss = self.dp_sum(loss_sum)
         lr = self.optimizer.param_groups[0]["lr"]
         self.step += 1
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
@@ -124,13 +150,37 @@ class Trainer:
             torch.cuda.synchronize(device)
         return StepResult(self.step, loss, grad_norm, lr, time.perf_counter() - start, not finite)
 
-    def dp_mean(self, value: torch.Tensor) -> float:
-        """Average over data-parallel ranks (tp ranks of a dp group already agree)."""
+    @torch.no_grad()
+    def evaluate(self, val: EvalSet) -> tuple[float, float]:
+        """(mean loss per loss token, perplexity) over the whole held-out set: forward only,
+        summed token losses and loss-token counts all-reduced over dp, so every mesh computes
+        the same token-weighted mean."""
+        self.model.eval()
+        device = self.mesh.device
+        local = self.cfg.train.global_batch // self.mesh.dp
+        micro = self.cfg.train.micro_batch or local
+        totals = torch.zeros(2, dtype=torch.float64, device=device)
+        for inputs, labels in val.batches(self.mesh.dp_rank, self.mesh.dp, micro):
+            inputs, labels = inputs.to(device), labels.to(device)
+            totals[0] += cross_entropy(self.model(inputs), labels, 1.0).double()
+            totals[1] += loss_tokens(labels)
+        if self.mesh.dp > 1:
+            dist.all_reduce(totals, group=self.mesh.dp_mesh.get_group())
+        self.model.train()
+        loss = (totals[0] / totals[1].clamp(min=1)).item()
+        return loss, math.exp(min(loss, 700.0))
+
+    def dp_sum(self, value: torch.Tensor) -> float:
+        """Sum over data-parallel ranks (tp ranks of a dp group already agree)."""
         if self.mesh.dp == 1:
             return value.item()
         value = value.detach().clone()
         dist.all_reduce(value, group=self.mesh.dp_mesh.get_group())
-        return (value / self.mesh.dp).item()
+        return value.item()
+
+    def dp_mean(self, value: torch.Tensor) -> float:
+        """Average over data-parallel ranks (tp ranks of a dp group already agree)."""
+        return self.dp_sum(value) / self.mesh.dp
 
 
 # ---- the whole run --------------------------------------------------------------------------
@@ -170,13 +220,18 @@ def _train(cfg: JobConfig, mesh: Mesh) -> dict:
     print0(
         f"hybrid2d: recipe {cfg.recipe}, {cfg.model.num_params() / 1e6:.1f}M params, mesh "
         f"dp_replicate={mesh.dp_replicate} x dp_shard={mesh.dp_shard} x tp={mesh.tp} on "
-        f"{mesh.device.type} ({describe_transport(mesh)}), run dir {run_dir}"
+        f"{mesh.device.type} ({describe_transport(mesh)}), tokenizer {describe_tokenizer(cfg)}, "
+        f"run dir {run_dir}"
     )
     # A bad --checkpoint.resume fails here, on every rank, before data and model are built.
     resume_from = find_resume(cfg, run_dir)
-    loader, tokenizer = build_data(cfg, mesh.dp_rank, mesh.dp, main, dist.barrier)
+    data = build_run_data(cfg, mesh.dp_rank, mesh.dp, main, dist.barrier)
+    loader, tokenizer = data.loader, data.tokenizer
+    print0(data.describe())
     trainer = Trainer(cfg, mesh)
-    ckpt = Checkpointer(cfg, run_dir, trainer, loader, tokenizer)
+    ckpt = Checkpointer(
+        cfg, run_dir, trainer, loader, tokenizer, tokenizer_side_files(cfg.data.tokenizer)
+    )
     if resume_from is not None:
         ckpt.load(resume_from)
     writer = MetricsWriter(run_dir if main else None, cfg.metrics.tensorboard)
@@ -186,6 +241,8 @@ def _train(cfg: JobConfig, mesh: Mesh) -> dict:
     tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
     fpt = flops_per_token(cfg.model, cfg.train.seq_len)
     losses, times = [], []
+    evals: list[dict] = []  # {step, loss, ppl} per validation
+    eval_every = cfg.train.eval_every
     wall_start = time.perf_counter()
     try:
         while trainer.step < cfg.train.steps:
@@ -210,8 +267,19 @@ def _train(cfg: JobConfig, mesh: Mesh) -> dict:
                         "memory/peak_gib": peak_memory_bytes(mesh.device) / 2**30,
                     },
                 )
+            last = trainer.step in (cfg.train.steps, cfg.checkpoint.stop_after)
+            if data.val is not None and ((eval_every and result.step % eval_every == 0) or last):
+                val_loss, val_ppl = trainer.evaluate(data.val)
+                evals.append({"step": result.step, "loss": val_loss, "ppl": val_ppl})
+                writer.scalars(result.step, {"val/loss": val_loss, "val/ppl": val_ppl})
+                if bar is None:
+                    print0(f"step {result.step}: val/loss {val_loss:.4f}, val/ppl {val_ppl:.2f}")
             if bar is not None:
-                bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{tps:,.0f}")
+                post = {"loss": f"{result.loss:.4f}", "tok_s": f"{tps:,.0f}"}
+                if evals:
+                    post["val_loss"] = f"{evals[-1]['loss']:.4f}"
+                    post["val_ppl"] = f"{evals[-1]['ppl']:.2f}"
+                bar.set_postfix(post)
                 bar.update(1)
             ckpt.maybe_save(trainer.step)
             if trainer.step == cfg.checkpoint.stop_after:
@@ -250,6 +318,10 @@ def _train(cfg: JobConfig, mesh: Mesh) -> dict:
         "resumed_from": None if resume_from is None else str(resume_from),
         "checkpoints": ckpt.saved,
         "preempted": preemption.signal_name is not None,
+        "data": {"kind": data.kind, **{k: v for k, v in data.stats.items() if k != "train_stats"}},
+        "val": evals,
+        "val_loss": evals[-1]["loss"] if evals else None,
+        "val_ppl": evals[-1]["ppl"] if evals else None,
     }
     if main:
         with open(os.path.join(run_dir, "summary.json"), "w") as f:
@@ -265,6 +337,16 @@ def format_summary(s: dict) -> str:
             "summary",
             f"  steps          {s['steps']}",
             f"  loss           {s['first_loss']:.4f} -> {s['last_loss']:.4f}",
+            *(
+                [f"  val loss       {s['val_loss']:.4f} (perplexity {s['val_ppl']:.2f})"]
+                if s.get("val_loss") is not None
+                else []
+            ),
+            *(
+                [f"  truncated      {s['data']['train']['truncated']} samples"]
+                if s.get("data", {}).get("train")
+                else []
+            ),
             f"  tokens/s       {s['tokens_per_s']:,.0f}",
             f"  time           {s['time_s']:.1f} s",
             f"  peak MiB/rank  {peaks}",

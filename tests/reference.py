@@ -76,3 +76,71 @@ def train_single_process(cfg: JobConfig) -> dict:
         opt.zero_grad()
         losses.append(loss.item())
     return {"losses": losses, "norms": norms, "params": dict(model.named_parameters())}
+
+
+# ---- instruction data: labels -100 off the loss, uneven loss tokens per sample ---------------
+
+
+def masked_global_batches(cfg: JobConfig, seed: int = 11, steps: int | None = None):
+    """Global batches like instruction data: per sample a prompt (labels -100), a completion
+    of uneven length (the loss tokens) and padding (labels -100); some samples have a single
+    loss token, some dozens, so the normalisation by the global count matters."""
+    gen = torch.Generator().manual_seed(seed)
+    t = cfg.train
+    out = []
+    for _ in range(t.steps if steps is None else steps):
+        tokens = torch.randint(
+            0, cfg.model.vocab_size, (t.global_batch, t.seq_len + 1), generator=gen
+        )
+        inputs, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+        for i in range(t.global_batch):
+            prompt = int(torch.randint(0, t.seq_len - 1, (1,), generator=gen))
+            left = t.seq_len - prompt
+            answer = int(torch.randint(1, left + 1, (1,), generator=gen))
+            labels[i, :prompt] = -100
+            labels[i, prompt + answer :] = -100
+            inputs[i, prompt + answer + 1 :] = 0  # padding
+        out.append((inputs, labels))
+    return out
+
+
+def train_single_process_masked(cfg: JobConfig, batches, val=None) -> dict:
+    """Plain PyTorch on the given global batches: loss = summed token cross entropy over the
+    labels other than -100, divided by their number in the global batch. `val`: (inputs,
+    labels) of a held-out set, whose token-weighted mean loss is measured after training."""
+    t = cfg.train
+    model = Llama(cfg.model)
+    model.init_weights(t.seed)
+    if t.optimizer == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=t.lr)
+    else:
+        matrices = [p for p in model.parameters() if p.ndim >= 2]
+        vectors = [p for p in model.parameters() if p.ndim < 2]
+        opt = torch.optim.AdamW(
+            [
+                {"params": matrices, "weight_decay": t.weight_decay},
+                {"params": vectors, "weight_decay": 0.0},
+            ],
+            lr=t.lr,
+            betas=(t.beta1, t.beta2),
+            eps=1e-8,
+        )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(s, t))
+    losses, norms = [], []
+    for inputs, labels in batches:
+        loss = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten(), ignore_index=-100)
+        loss.backward()
+        max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    out = {"losses": losses, "norms": norms, "params": dict(model.named_parameters())}
+    if val is not None:
+        with torch.no_grad():
+            inputs, labels = val
+            out["val_loss"] = F.cross_entropy(
+                model(inputs).flatten(0, 1).double(), labels.flatten(), ignore_index=-100
+            ).item()
+    return out

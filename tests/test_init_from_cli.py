@@ -9,6 +9,7 @@ import pytest
 from tests.launch import REPO, launcher_env
 
 transformers = pytest.importorskip("transformers")
+from tests.workers.hf_chat import make_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +25,7 @@ def hf_dir(tmp_path_factory):
         max_position_embeddings=128,
     )
     transformers.LlamaForCausalLM(cfg).save_pretrained(path, max_shard_size="100KB")
+    make_tokenizer(str(path))  # init_from needs the checkpoint's tokenizer (or data.tokenizer)
     return path
 
 

@@ -2,11 +2,17 @@
 
 python tools/generate.py CHECKPOINT --prompt "def " [--max-new-tokens 64]
                          [--temperature 0 | --temperature 0.8 --top-k 50 --seed 1]
+python tools/generate.py CHECKPOINT --chat "What is 6 x 7?" [--system "Answer briefly."]
 
 CHECKPOINT is a DCP training checkpoint (a step directory, or a run / checkpoints directory for
 its latest checkpoint) or a directory written by tools/export_checkpoint.py (or any Hugging Face
 Llama directory with safetensors). The tokenizer is the tokenizer.json saved with the checkpoint
 unless --tokenizer is given. Temperature 0 is greedy decoding. One process, no GPU needed.
+
+--chat renders the question as a user turn (after an optional --system turn) with the chat
+template stored with the tokenizer (chat_template.jinja or tokenizer_config.json), opens the
+assistant's turn, and prints the answer, stopping at the end-of-turn token (tokenizer_config's
+eos_token) or the end-of-text token.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("checkpoint", help="DCP step/run directory or exported safetensors directory")
     p.add_argument("--prompt", default="", help="text to continue ('' starts a new document)")
+    p.add_argument("--chat", default=None, help="a question, rendered with the chat template")
+    p.add_argument("--system", default=None, help="with --chat: a system turn before it")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
@@ -37,6 +45,10 @@ def parse(argv):
         p.error(f"--temperature {args.temperature} must be >= 0 (0: greedy)")
     if args.top_k < 0:
         p.error(f"--top-k {args.top_k} must be >= 0 (0: no limit)")
+    if args.chat is not None and args.prompt:
+        p.error("--chat and --prompt exclude each other: --chat is the question, --prompt raw text")
+    if args.system is not None and args.chat is None:
+        p.error("--system needs --chat")
     return args
 
 
@@ -47,7 +59,7 @@ def sample(
     temperature: float = 0.0,
     top_k: int = 0,
     seed: int = 0,
-    stop_id: int | None = None,
+    stop_id: int | set[int] | None = None,
     max_context: int | None = None,
 ) -> list[int]:
     """New token ids after `ids`: greedy at temperature 0, else softmax(logits / T) over the
@@ -55,6 +67,7 @@ def sample(
     import torch
 
     gen = torch.Generator().manual_seed(seed)
+    stops = {stop_id} if isinstance(stop_id, int) else set(stop_id or ())
     out: list[int] = []
     context = list(ids)
     with torch.no_grad():
@@ -72,7 +85,7 @@ def sample(
                 nxt = int(torch.multinomial(probs, 1, generator=gen))
             out.append(nxt)
             context.append(nxt)
-            if stop_id is not None and nxt == stop_id:
+            if nxt in stops:
                 break
     return out
 
@@ -83,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from hybrid2d.checkpoint import standalone
     from hybrid2d.config import ConfigError
+    from hybrid2d.data.chat import end_of_turn_ids, load_chat_template
     from hybrid2d.data.tokenizer import EOS_CANDIDATES
 
     try:
@@ -99,12 +113,31 @@ def main(argv: list[str] | None = None) -> int:
             tok = Tokenizer.from_file(str(tok_path))
         except Exception as e:  # the tokenizers library raises plain Exception
             raise ConfigError(f"tokenizer {tok_path} cannot be read ({e})") from None
+        template, chat_text = None, None
+        if args.chat is not None:
+            template = load_chat_template(str(tok_path))
+            if template is None:
+                raise ConfigError(
+                    f"--chat: {os.path.dirname(tok_path) or '.'} has no chat template "
+                    "(chat_template.jinja or tokenizer_config.json chat_template); use a "
+                    "checkpoint of a model with one, or --prompt"
+                )
+            messages = [] if args.system is None else [{"role": "system", "content": args.system}]
+            messages.append({"role": "user", "content": args.chat})
+            try:
+                chat_text = template.render(messages, add_generation_prompt=True)
+            except ValueError as e:
+                raise ConfigError(f"--chat: the chat template fails to render ({e})") from None
         model, cfg = standalone.load_model(src)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     eos = next((i for n in EOS_CANDIDATES if (i := tok.token_to_id(n)) is not None), None)
-    ids = tok.encode(args.prompt).ids if args.prompt else []
+    stops = ({eos} if eos is not None else set()) | end_of_turn_ids(str(tok_path), tok)
+    if chat_text is not None:
+        ids = tok.encode(chat_text, add_special_tokens=False).ids
+    else:
+        ids = tok.encode(args.prompt).ids if args.prompt else []
     if not ids:
         if eos is None:
             print("error: empty prompt and the tokenizer has no end-of-text token", file=sys.stderr)
@@ -117,12 +150,15 @@ def main(argv: list[str] | None = None) -> int:
         args.temperature,
         args.top_k,
         args.seed,
-        None if args.no_stop else eos,
+        None if args.no_stop else stops,
         cfg.max_position_embeddings,
     )
     completion = tok.decode(new, skip_special_tokens=True)
     if args.json:
-        print(json.dumps({"prompt": args.prompt, "completion": completion, "ids": new}))
+        shown = chat_text if chat_text is not None else args.prompt
+        print(json.dumps({"prompt": shown, "completion": completion, "ids": new}))
+    elif chat_text is not None:
+        print(completion.strip())
     else:
         print(args.prompt + completion)
     return 0

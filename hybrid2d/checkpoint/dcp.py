@@ -176,13 +176,23 @@ def _missing_or_mismatched(template: dict, meta: Metadata) -> str | None:
 class Checkpointer:
     """Saves the trainer's state on schedule and restores it on resume (see the module doc)."""
 
-    def __init__(self, cfg: JobConfig, run_dir: str | os.PathLike, trainer, loader, tokenizer=None):
+    def __init__(
+        self,
+        cfg: JobConfig,
+        run_dir: str | os.PathLike,
+        trainer,
+        loader,
+        tokenizer=None,
+        tokenizer_files: dict[str, str] | None = None,
+    ):
         self.cfg = cfg
         self.ck = cfg.checkpoint
         self.run_dir = Path(run_dir)
         self.trainer = trainer
         self.loader = loader
         self.tokenizer_json = tokenizer.to_str() if tokenizer is not None else None
+        # tokenizer_config.json, chat_template.jinja, ...: the chat template travels along.
+        self.tokenizer_files = dict(tokenizer_files or {})
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.device = trainer.mesh.device
@@ -243,6 +253,8 @@ class Checkpointer:
             (tmp / layout.CONFIG).write_text(json.dumps(self.cfg.to_dict(), indent=2))
             if self.tokenizer_json is not None:
                 (tmp / layout.TOKENIZER).write_text(self.tokenizer_json)
+            for name, text in self.tokenizer_files.items():
+                (tmp / name).write_text(text)
         dist.barrier()
         state = self.state_dict()
         self._last_saved_step = step

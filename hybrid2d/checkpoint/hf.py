@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from hybrid2d.checkpoint.hf_safetensors import CheckpointError, HFCheckpoint
+from hybrid2d.checkpoint.reader import read_saved_block, saved_tensor
 from hybrid2d.config import JobConfig, ModelConfig
 from hybrid2d.models.llama import Llama, rope_inv_freq
 
@@ -464,18 +465,96 @@ def check_dcp_source(path: str, cfg: ModelConfig, source: str) -> list[str]:
     return names
 
 
+def _dcp_model_keys(md) -> dict[str, str]:
+    """HF name -> DCP flattened key of the "model" entry's tensors."""
+    mapping = md.planner_data or {}
+    out = {}
+    for key in md.state_dict_metadata:
+        parts = mapping.get(key)
+        if parts is not None:
+            if len(parts) == 2 and parts[0] == "model":
+                out[parts[1]] = key
+        elif key.startswith("model."):
+            out[key[len("model.") :]] = key
+    return out
+
+
 @torch.no_grad()
 def load_dcp(model: nn.Module, path: str, source: str | None = None) -> LoadReport:
-    """Load the "model" entry of a DCP checkpoint into `model`; other entries are not read."""
+    """Load the "model" entry of a DCP checkpoint into `model`; other entries are not read.
+
+    Each rank reads only the bytes of its own block of each parameter: for every saved chunk
+    that overlaps the block, the chunk's torch.save archive is located through DCP's metadata
+    and just the overlapping rows are read (reader.read_saved_block). No collective runs, so
+    checkpoints written with storage transforms (compression) are the only ones loaded through
+    dcp.load, which reads whole chunks.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    source = source or f"dcp:{path}"
+    start = time.perf_counter()
+    check_dcp_source(path, model.cfg, source)
+    md = FileSystemReader(path).read_metadata()
+    params = dict(model.named_parameters())  # tied: only model.embed_tokens.weight
+    if any(info.transform_descriptors for info in md.storage_data.values()):
+        return _load_dcp_whole(model, path, source, params, start)
+    keys = _dcp_model_keys(md)
+    storage = {(i.fqn, tuple(i.offset)): info for i, info in md.storage_data.items()}
+    report = LoadReport(source)
+    files: dict[str, object] = {}
+    try:
+        for name, param in params.items():
+            fqn = keys[name]
+            tmd = md.state_dict_metadata[fqn]
+            offsets, sizes = local_block(param)
+            local = _local(param)
+            for chunk in tmd.chunks:
+                lo = [max(o, c) for o, c in zip(offsets, chunk.offsets, strict=True)]
+                hi = [
+                    min(o + s, c + n)
+                    for o, s, c, n in zip(offsets, sizes, chunk.offsets, chunk.sizes, strict=True)
+                ]
+                if any(h <= low for low, h in zip(lo, hi, strict=True)):
+                    continue
+                info = storage[(fqn, tuple(chunk.offsets))]
+                f = files.get(info.relative_path)
+                if f is None:
+                    f = files[info.relative_path] = open(  # noqa: SIM115 - closed below
+                        os.path.join(path, info.relative_path), "rb", buffering=0
+                    )
+                where = f"checkpoint.init_from={source}: {name} in {info.relative_path}"
+                saved = saved_tensor(f, info.offset, info.length, where)
+                if tuple(saved.shape) != tuple(chunk.sizes):
+                    raise CheckpointError(
+                        f"{where}: stored shape {list(saved.shape)} differs from the metadata's "
+                        f"{list(chunk.sizes)} (corrupted checkpoint)"
+                    )
+                within = [low - c for low, c in zip(lo, chunk.offsets, strict=True)]
+                extent = [h - low for low, h in zip(lo, hi, strict=True)]
+                block, n = read_saved_block(f, saved, within, extent, where)
+                dest = tuple(
+                    slice(low - o, h - o) for low, h, o in zip(lo, hi, offsets, strict=True)
+                )
+                local[dest].copy_(block)
+                report.bytes_read += n
+                report.per_tensor[name] = report.per_tensor.get(name, 0) + n
+            report.checkpoint_bytes += math.prod(tmd.size) * tmd.properties.dtype.itemsize
+            report.tensors += 1
+    finally:
+        for f in files.values():
+            f.close()
+    _recompute_buffers(model)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _load_dcp_whole(model, path, source, params, start) -> LoadReport:
+    """dcp.load of the model entry (every rank reads whole chunks); a collective."""
     import warnings
 
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    source = source or f"dcp:{path}"
-    start = time.perf_counter()
-    check_dcp_source(path, model.cfg, source)
-    params = dict(model.named_parameters())  # tied: only model.embed_tokens.weight
     state = {"model": params}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
@@ -516,12 +595,14 @@ def describe_load(report: LoadReport) -> str:
 
 
 def adopt_source_model(cfg: JobConfig, set_on_cli: set[str]) -> None:
-    """With checkpoint.init_from, take the model shape from the checkpoint itself.
+    """With checkpoint.init_from, take the model shape and the tokenizer from the checkpoint.
 
     No --model.* on the command line: cfg.model becomes the checkpoint's (a user starting from
     a published model need not restate its shape). Some given: they must agree with it, which
-    is checked here, on every rank, before any process group or data work. A HF directory's
-    tokenizer becomes the data tokenizer unless data.tokenizer is set.
+    is checked here, on every rank, before any process group or data work. The tokenizer.json
+    stored with the checkpoint (a HF directory, a converted directory, a training checkpoint)
+    becomes data.tokenizer unless data.tokenizer is set; a checkpoint without one and no
+    data.tokenizer is an error, since a newly trained tokenizer's ids mean nothing to it.
     """
     kind, path = parse_init_from(cfg.checkpoint.init_from)
     source = cfg.checkpoint.init_from
@@ -531,15 +612,29 @@ def adopt_source_model(cfg: JobConfig, set_on_cli: set[str]) -> None:
             found = model_config_from_hf(ckpt.config, os.path.join(path, "config.json"))
         finally:
             ckpt.close()
-        if not cfg.data.tokenizer and os.path.isfile(os.path.join(path, "tokenizer.json")):
-            cfg.data.tokenizer = path
     else:
         found = read_saved_model_config(path)
         if found is None:
             read_dcp_model_metadata(path, f"checkpoint.init_from={source}")  # not DCP: says so
-            return  # no saved shape: the tensor-by-tensor check at load time still applies
+    adopt_tokenizer(cfg, path)
+    if found is None:
+        return  # no saved shape: the tensor-by-tensor check at load time still applies
     if any(name.startswith("model.") for name in set_on_cli):
         check_model_config(found, cfg.model, source, "its config")
     else:
         found.init_std = cfg.model.init_std
         cfg.model = found
+
+
+def adopt_tokenizer(cfg: JobConfig, path: str) -> None:
+    """data.tokenizer = the checkpoint directory when it holds a tokenizer.json and none is set."""
+    if cfg.data.tokenizer:
+        return
+    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+        cfg.data.tokenizer = path
+        return
+    raise CheckpointError(
+        f"checkpoint.init_from={cfg.checkpoint.init_from} holds no tokenizer.json and "
+        "data.tokenizer is empty, which would train a new tokenizer whose ids mean nothing to "
+        "the checkpoint; set --data.tokenizer to the tokenizer the checkpoint was trained with"
+    )

@@ -7,10 +7,15 @@ generate) read the model through `iter_model_tensors`, which holds one tensor at
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import io
+import itertools
 import json
+import math
+import pickle
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -20,6 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from hybrid2d.checkpoint import layout
+from hybrid2d.checkpoint.hf_safetensors import _byte_view, _read_exact
 from hybrid2d.config import ConfigError, JobConfig, ModelConfig
 from hybrid2d.models.llama import Llama
 
@@ -180,3 +186,128 @@ def cause(e: BaseException) -> str:
 def load_model_state(path: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Every model tensor of a DCP checkpoint as full tensors (one copy of the model)."""
     return dict(iter_model_tensors(path, dtype=dtype))
+
+
+# ---- reading only a block of a saved tensor ---------------------------------------------------
+#
+# FileSystemWriter stores each chunk of a tensor as a torch.save archive at a byte range of a
+# .distcp file (DCP's metadata says where: storage_data[MetadataIndex(fqn, chunk offsets)]).
+# FileSystemReader reads the whole range and narrows it in memory; `read_saved_block` instead
+# parses the archive's small pickle for the tensor's dtype, shape and strides, finds its data
+# record's offset, and reads only the bytes of the wanted block (one run per row).
+
+
+class _Window(io.RawIOBase):
+    """A read-only file-like view of bytes [offset, offset + length) of an open file."""
+
+    def __init__(self, f, offset: int, length: int):
+        self._f, self._off, self._n, self._pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self._pos = pos if whence == 0 else (self._pos + pos if whence == 1 else self._n + pos)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, b) -> int:
+        k = max(0, min(len(b), self._n - self._pos))
+        self._f.seek(self._off + self._pos)
+        data = self._f.read(k)
+        b[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
+def _rebuild_layout(storage, storage_offset, size, stride, *_rest):
+    return ("tensor", storage, int(storage_offset), tuple(size), tuple(stride))
+
+
+class _LayoutUnpickler(pickle.Unpickler):
+    """Unpickles a torch.save'd tensor into (storage key, dtype, offset, shape, strides) only;
+    any global other than the few a plain tensor uses is refused."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _rebuild_layout
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if module == "torch" and name.endswith("Storage"):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"unexpected global {module}.{name}")
+
+    def persistent_load(self, pid):
+        _, storage_type, key, _location, _numel = pid
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type._dtype
+        return (str(key), dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedTensor:
+    """Where a torch.save'd tensor's elements are: absolute byte offset of element 0 in the file,
+    dtype, shape and strides (in elements)."""
+
+    start: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def saved_tensor(f, offset: int, length: int, where: str) -> SavedTensor:
+    """The layout of the torch.save archive at bytes [offset, offset + length) of file f."""
+    try:
+        archive = torch._C.PyTorchFileReader(_Window(f, offset, length))
+        found = _LayoutUnpickler(io.BytesIO(archive.get_record("data.pkl"))).load()
+        kind, (key, dtype), storage_offset, shape, stride = found
+        if kind != "tensor":
+            raise ValueError("not a tensor")
+        data = archive.get_record_offset(f"data/{key}")
+    except Exception as e:  # a damaged archive raises anything
+        raise ConfigError(
+            f"{where} cannot be read ({first_line(e)}); it is truncated or corrupted"
+        ) from None
+    return SavedTensor(offset + data + storage_offset * dtype.itemsize, dtype, shape, stride)
+
+
+def read_saved_block(
+    f, t: SavedTensor, offsets: Sequence[int], sizes: Sequence[int], where: str
+) -> tuple[torch.Tensor, int]:
+    """(block [offsets, offsets + sizes) of the saved tensor, bytes read from the file)."""
+    shape, item = t.shape, t.dtype.itemsize
+    out = torch.empty(tuple(sizes), dtype=t.dtype)
+    if out.numel() == 0:
+        return out, 0
+    contiguous = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+    if list(t.stride) != contiguous and math.prod(shape) > 1:
+        # Not row-major (DCP writes contiguous chunks; be safe anyway): read it whole.
+        span = sum((n - 1) * s for n, s in zip(shape, t.stride, strict=True)) + 1
+        raw = torch.empty(span, dtype=t.dtype)
+        _read_exact(f, t.start, _byte_view(raw), where)
+        full = raw.as_strided(shape, t.stride)
+        block = full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))]
+        out.copy_(block)
+        return out, span * item
+    if not shape:
+        _read_exact(f, t.start, _byte_view(out), where)
+        return out, item
+    # Dims after k are taken whole: each index over dims [:k] is one contiguous run.
+    k = len(shape) - 1
+    while k > 0 and sizes[k] == shape[k]:
+        k -= 1
+    run = sizes[k] * contiguous[k] * item
+    view = _byte_view(out)
+    pos = 0
+    outer = [range(offsets[i], offsets[i] + sizes[i]) for i in range(k)]
+    for idx in itertools.product(*outer):
+        elem = offsets[k] * contiguous[k] + sum(
+            i * s for i, s in zip(idx, contiguous, strict=False)
+        )
+        _read_exact(f, t.start + elem * item, view[pos : pos + run], where)
+        pos += run
+    return out, pos

@@ -3,46 +3,233 @@
 Only the main process trains the tokenizer and tokenizes the corpus; the others wait at the
 barrier and then read its cached files. That keeps the expensive work to one process (the default
 run puts 4 processes on 2 cores) and guarantees every rank uses byte-identical data.
+
+Text data is packed into windows (packing.py); instruction data (instruct.py: .jsonl of
+prompt/completion or messages) is one padded sample per line with the loss on the completion.
+Validation data (data.val_path, or a data.val_fraction of data.path's samples held out) is built
+the same way and served by `EvalSet`, identically on every mesh.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
 import pathlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
+import numpy as np
+import torch
 from tokenizers import Tokenizer
 
-from hybrid2d.config import JobConfig
-from hybrid2d.data.corpus import source_files
+from hybrid2d.config import ConfigError, JobConfig
+from hybrid2d.data.cache import atomic_path, cache_key
+from hybrid2d.data.chat import load_chat_template
+from hybrid2d.data.corpus import corpus_identity, source_files
+from hybrid2d.data.instruct import (
+    IGNORE_INDEX,
+    InstructionDataset,
+    InstructStats,
+    build_instruction_arrays,
+    is_instruction_file,
+)
 from hybrid2d.data.loader import GlobalBatchLoader
 from hybrid2d.data.packing import PackedDataset
-from hybrid2d.data.tokenizer import find_tokenizer
+from hybrid2d.data.tokenizer import find_tokenizer, tokenizer_hash
 from hybrid2d.data.tokens import find_tokens
 
 DEFAULT_CACHE_DIR = "~/.cache/hybrid2d"
+VAL_SPLIT_SEED = 1234  # the held-out part of data.path does not move with train.seed
 
 
 def cache_dir_for(cfg: JobConfig) -> pathlib.Path:
     return pathlib.Path(cfg.data.cache_dir or DEFAULT_CACHE_DIR).expanduser()
 
 
-def build_data(
+class Subset:
+    """Samples `indices` of a dataset, with the dataset's gather()."""
+
+    def __init__(self, dataset, indices: np.ndarray):
+        self.dataset = dataset
+        self.indices = np.asarray(indices, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def gather(self, indices):
+        return self.dataset.gather(self.indices[np.asarray(indices, dtype=np.int64)])
+
+
+class EvalSet:
+    """A fixed held-out set, split the same way on every mesh: the samples padded (with samples
+    whose labels are all -100) to a multiple of dp x micro batch, rank r takes the r-th
+    contiguous part. The loss is summed over loss tokens and divided by their total."""
+
+    def __init__(self, dataset, source: str):
+        self.dataset = dataset
+        self.source = source
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def batches(self, dp_rank: int, dp_size: int, micro_batch: int):
+        n = len(self.dataset)
+        per_rank = math.ceil(n / (dp_size * micro_batch)) * micro_batch
+        lo = dp_rank * per_rank
+        for start in range(lo, lo + per_rank, micro_batch):
+            idx = np.arange(start, start + micro_batch)
+            real = idx[idx < n]
+            if len(real) == len(idx):
+                yield self.dataset.gather(real)
+                continue
+            inputs, labels = self.dataset.gather(real if len(real) else np.array([0]))
+            pad = len(idx) - len(real)
+            fill_in = inputs[:1].expand(pad, -1)
+            fill_lab = torch.full((pad, labels.shape[1]), IGNORE_INDEX, dtype=labels.dtype)
+            if not len(real):
+                inputs, labels = inputs[:0], labels[:0]
+            yield torch.cat([inputs, fill_in]), torch.cat([labels, fill_lab])
+
+
+@dataclass
+class RunData:
+    loader: GlobalBatchLoader
+    tokenizer: Tokenizer
+    val: EvalSet | None
+    kind: str  # "text" | "instruct"
+    stats: dict  # what the data summary says (instruction data: samples, truncated, ...)
+
+    def describe(self) -> str:
+        parts = [f"data: {self.kind}, {len(self.loader.dataset)} training samples"]
+        if self.kind == "instruct":
+            parts.append(InstructStats(**self.stats["train_stats"]).describe())
+        if self.val is not None:
+            parts.append(f"validation: {len(self.val)} samples from {self.val.source}")
+        return "; ".join(parts)
+
+
+def data_kind(cfg: JobConfig, files: list[pathlib.Path], setting: str = "data.path") -> str:
+    fmt = cfg.data.format
+    if fmt == "text":
+        return "text"
+    jsonl = bool(files) and all(p.suffix == ".jsonl" for p in files)
+    if fmt == "instruct":
+        if not jsonl:
+            raise ConfigError(
+                f"data.format=instruct needs .jsonl files, but {setting} holds "
+                f"{sorted({p.suffix for p in files})}; use .jsonl or data.format text"
+            )
+        return "instruct"
+    return "instruct" if jsonl and is_instruction_file(files[0]) else "text"
+
+
+def _instruct_cache(
+    cfg: JobConfig, d, tok: Tokenizer, template, cache_dir: pathlib.Path, setting: str,
+    build: bool,
+) -> InstructionDataset:  # fmt: skip
+    key = cache_key(
+        "instruct-v1",
+        corpus_identity(d),
+        tokenizer_hash(tok),
+        template.source if template is not None else "",
+        json.dumps(template.special if template is not None else {}, sort_keys=True),
+        cfg.train.seq_len,
+    )
+    path = cache_dir / "instruct" / f"{key}.npz"
+    if not path.exists():
+        if not build:
+            raise ConfigError(
+                f"data.cache_dir={str(cache_dir)!r} has no instruction cache {path.name} after "
+                "the main process built it; use a cache_dir every process can see"
+            )
+        ds = build_instruction_arrays(source_files(d), tok, template, cfg.train.seq_len, setting)
+        with atomic_path(path) as tmp:
+            with open(tmp, "wb") as f:
+                stats = json.dumps(dataclasses.asdict(ds.stats))
+                np.savez(f, ids=ds.ids, targets=ds.targets, stats=np.array(stats))
+    with np.load(path) as z:
+        stats = InstructStats(**json.loads(str(z["stats"])))
+        return InstructionDataset(z["ids"], z["targets"], stats)
+
+
+def _dataset(cfg: JobConfig, d, tok: Tokenizer, cache_dir, setting: str, build: bool):
+    """(dataset, kind) for the data config d (data.path's, or val_path's in its place)."""
+    kind = data_kind(cfg, source_files(d), setting)
+    if kind == "instruct":
+        template = load_chat_template(cfg.data.tokenizer)
+        return _instruct_cache(cfg, d, tok, template, cache_dir, setting, build), kind
+    tokens = find_tokens(d, tok, cache_dir, build=build)
+    return PackedDataset(tokens, cfg.train.seq_len, source=d.path), kind
+
+
+def _val_config(cfg: JobConfig):
+    """data.val_path as a DataConfig (its path in data.path's place), or None."""
+    if not cfg.data.val_path:
+        return None
+    return dataclasses.replace(cfg.data, path=cfg.data.val_path, val_path="", val_fraction=0.0)
+
+
+def _check_val_path(d) -> None:
+    try:
+        source_files(d)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("data.path=", "data.val_path=", 1)) from None
+
+
+def build_run_data(
     cfg: JobConfig, dp_rank: int, dp_size: int, is_main: bool, barrier: Callable[[], None]
-) -> tuple[GlobalBatchLoader, Tokenizer]:
-    """(loader for this dp rank, tokenizer). Every process must call it (it calls barrier())."""
+) -> RunData:
+    """Loader for this dp rank, tokenizer, validation set. Every process must call it (it
+    calls barrier())."""
     d, t = cfg.data, cfg.train
     cache_dir = cache_dir_for(cfg)
+    val_cfg = _val_config(cfg)
     # Cheap checks on every rank first, so a bad data.path fails everywhere at once instead of
     # leaving the other ranks waiting at the barrier for a main process that already died.
     source_files(d)
+    if val_cfg is not None:
+        _check_val_path(val_cfg)
     if d.tokenizer:
         find_tokenizer(d, cfg.model.vocab_size, cache_dir, build=False)
     if is_main:
         tok = find_tokenizer(d, cfg.model.vocab_size, cache_dir, build=True)
-        find_tokens(d, tok, cache_dir, build=True)
+        _dataset(cfg, d, tok, cache_dir, "data.path", build=True)
+        if val_cfg is not None:
+            _dataset(cfg, val_cfg, tok, cache_dir, "data.val_path", build=True)
     barrier()
     tok = find_tokenizer(d, cfg.model.vocab_size, cache_dir, build=False)
-    tokens = find_tokens(d, tok, cache_dir, build=False)
-    dataset = PackedDataset(tokens, t.seq_len, source=d.path)
+    dataset, kind = _dataset(cfg, d, tok, cache_dir, "data.path", build=False)
+    stats: dict = {}
+    if kind == "instruct":
+        stats["train_stats"] = dataclasses.asdict(dataset.stats)
+        stats["train"] = dataset.stats.to_dict()
+    val = None
+    if val_cfg is not None:
+        val_ds, _ = _dataset(cfg, val_cfg, tok, cache_dir, "data.val_path", build=False)
+        val = EvalSet(val_ds, repr(d.val_path))
+        if isinstance(val_ds, InstructionDataset):
+            stats["val"] = val_ds.stats.to_dict()
+    elif d.val_fraction:
+        n = len(dataset)
+        n_val = max(1, round(n * d.val_fraction))
+        if n - n_val < 1:
+            raise ConfigError(
+                f"data.val_fraction={d.val_fraction} of {n} samples leaves none to train on; "
+                "use a smaller fraction or more data"
+            )
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(VAL_SPLIT_SEED))
+        held = np.sort(perm[:n_val].numpy())
+        kept = np.sort(perm[n_val:].numpy())
+        val = EvalSet(Subset(dataset, held), f"{d.val_fraction:g} of data.path")
+        dataset = Subset(dataset, kept)
     loader = GlobalBatchLoader(dataset, t.global_batch, dp_rank, dp_size, t.micro_batch, t.seed)
-    return loader, tok
+    return RunData(loader, tok, val, kind, stats)
+
+
+def build_data(
+    cfg: JobConfig, dp_rank: int, dp_size: int, is_main: bool, barrier: Callable[[], None]
+) -> tuple[GlobalBatchLoader, Tokenizer]:
+    """(loader for this dp rank, tokenizer). Every process must call it (it calls barrier())."""
+    data = build_run_data(cfg, dp_rank, dp_size, is_main, barrier)
+    return data.loader, data.tokenizer

@@ -10,7 +10,7 @@ import pathlib
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from hybrid2d.config import ConfigError, DataConfig
+from hybrid2d.config import ConfigError, DataConfig, JobConfig
 from hybrid2d.data.cache import atomic_path, cache_key
 from hybrid2d.data.corpus import corpus_documents, corpus_identity
 
@@ -129,3 +129,18 @@ def eos_id(tok: Tokenizer) -> int:
 def tokenizer_hash(tok: Tokenizer) -> str:
     """Identity of a tokenizer for cache keys: a hash of its full serialized form."""
     return cache_key(tok.to_str())
+
+
+def describe_tokenizer(cfg: JobConfig) -> str:
+    """Which tokenizer a run uses, for its start line: the file, and whether it is the one
+    stored with checkpoint.init_from, or the BPE trained on the corpus."""
+    d = cfg.data
+    if not d.tokenizer:
+        corpus = repr(d.path) if d.path else "the built-in corpus"
+        return f"byte-level BPE of {cfg.model.vocab_size} tokens trained on {corpus}"
+    path = pathlib.Path(d.tokenizer).expanduser()
+    shown = path / "tokenizer.json" if path.is_dir() else path
+    init = cfg.checkpoint.init_from.partition(":")[2]
+    if init and path.resolve() == pathlib.Path(init).expanduser().resolve():
+        return f"{shown} (stored with checkpoint.init_from)"
+    return str(shown)

@@ -1,0 +1,232 @@
+"""Instruction data: `.jsonl` lines of prompt/completion or chat messages, one sample each, with
+the loss only on what the model should learn to write.
+
+A line is `{"prompt": str, "completion": str}` (the sample is prompt + completion + EOS; the
+loss counts the completion and the EOS) or `{"messages": [{"role", "content"}, ...]}` (rendered
+with the tokenizer's chat template, hybrid2d/data/chat.py; the loss counts the assistant turns,
+up to and including the template's end-of-turn marker). Where an assistant turn is in the text
+is found by rendering the conversation up to it with the generation prompt and up to its end:
+the turn is what the second adds to the first. Tokens are labelled by their character offsets.
+
+Samples are not packed: each is one row of train.seq_len positions, padded with labels -100
+(ignore_index) that the loss does not count. With the model's causal attention a sample can
+therefore never attend to a neighbour's tokens, without any document mask; the price is the
+compute spent on padding, which the data summary reports. A sample longer than seq_len + 1
+tokens is cut to that length and counted as truncated.
+
+Bad data (not JSON, neither format, an unknown role, a template that refuses the conversation, a
+sample with no loss tokens) is one ConfigError line naming the file and line.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from hybrid2d.config import ConfigError
+from hybrid2d.data.chat import ChatTemplate, TemplateRenderError
+from hybrid2d.data.tokenizer import eos_id
+
+IGNORE_INDEX = -100
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def is_instruction_file(path: pathlib.Path) -> bool:
+    """True if the first non-empty line of a .jsonl file has messages or prompt/completion."""
+    if path.suffix != ".jsonl":
+        return False
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    return False
+                return isinstance(record, dict) and (
+                    "messages" in record or "prompt" in record or "completion" in record
+                )
+    return False
+
+
+@dataclass
+class InstructStats:
+    samples: int = 0
+    truncated: int = 0  # samples longer than seq_len + 1 tokens, cut
+    loss_tokens: int = 0
+    tokens: int = 0  # tokens of the samples as kept (after truncation)
+    positions: int = 0  # samples x seq_len
+
+    @property
+    def padding_fraction(self) -> float:
+        used = self.tokens - self.samples  # a sample of n tokens fills n - 1 positions
+        return 1.0 - used / max(self.positions, 1)
+
+    def to_dict(self) -> dict:
+        return {
+            "samples": self.samples,
+            "truncated": self.truncated,
+            "loss_tokens": self.loss_tokens,
+            "padding_fraction": round(self.padding_fraction, 4),
+        }
+
+    def describe(self) -> str:
+        return (
+            f"{self.samples} samples, {self.truncated} truncated to train.seq_len, "
+            f"{self.loss_tokens} loss tokens, padding {self.padding_fraction:.0%} of positions"
+        )
+
+
+class InstructionDataset:
+    """Padded samples: ids [N, seq_len + 1] and a mask of the tokens the loss counts."""
+
+    def __init__(self, ids: np.ndarray, targets: np.ndarray, stats: InstructStats):
+        self.ids = ids
+        self.targets = targets
+        self.stats = stats
+        self.seq_len = ids.shape[1] - 1
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def gather(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, labels) LongTensors [len(indices), seq_len]; labels -100 off the loss."""
+        idx = np.asarray(indices, dtype=np.int64)
+        ids = torch.from_numpy(self.ids[idx].astype(np.int64))
+        keep = torch.from_numpy(self.targets[idx, 1:])
+        labels = ids[:, 1:].masked_fill(~keep, IGNORE_INDEX)
+        return ids[:, :-1].contiguous(), labels
+
+
+def _bad(where: str, what: str) -> ConfigError:
+    return ConfigError(f"{where}: {what}")
+
+
+def _check_messages(messages, where: str) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise _bad(where, "messages must be a non-empty list of {role, content} objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise _bad(where, f"messages[{i}] has no role (expected {{role, content}})")
+        if m["role"] not in ROLES:
+            raise _bad(where, f"messages[{i}] has unknown role {m['role']!r}; use one of {ROLES}")
+        if not isinstance(m.get("content"), str):
+            raise _bad(where, f"messages[{i}] ({m['role']}) has no text content")
+    return messages
+
+
+def _render(template: ChatTemplate, messages, gen: bool, where: str) -> str:
+    try:
+        return template.render(messages, add_generation_prompt=gen)
+    except TemplateRenderError as e:
+        what = f"the chat template ({template.where}) fails to render it ({e})"
+        raise _bad(where, what) from None
+
+
+def chat_sample(template: ChatTemplate, messages: list[dict], where: str):
+    """(text, [(start, end) character spans of the assistant turns])."""
+    text = _render(template, messages, False, where)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = _render(template, messages[:i], True, where)
+        through = _render(template, messages[: i + 1], False, where)
+        if not (through.startswith(before) and text.startswith(through)):
+            raise _bad(
+                where,
+                f"the chat template ({template.where}) does not render the conversation up to "
+                f"assistant turn {i} as a prefix of the whole, so the turn cannot be located",
+            )
+        end = len(through.rstrip())  # the end-of-turn marker counts, the newline after it not
+        if end > len(before):
+            spans.append((len(before), end))
+    return text, spans
+
+
+def encode_record(record, tok: Tokenizer, template: ChatTemplate | None, where: str, eos: int):
+    """(token ids, loss mask) of one line's record."""
+    if not isinstance(record, dict):
+        raise _bad(where, "expected a JSON object with prompt/completion or messages")
+    if "messages" in record:
+        if template is None:
+            raise _bad(
+                where,
+                "has messages but data.tokenizer has no chat template (chat_template.jinja or "
+                "tokenizer_config.json chat_template); use a tokenizer directory that has one",
+            )
+        messages = _check_messages(record["messages"], where)
+        text, spans = chat_sample(template, messages, where)
+        enc = tok.encode(text, add_special_tokens=False)
+        ids = enc.ids
+        mask = [any(lo <= s < hi for lo, hi in spans) for s, _ in enc.offsets]
+        return ids, mask
+    if "prompt" in record or "completion" in record:
+        prompt, completion = record.get("prompt"), record.get("completion")
+        if not isinstance(prompt, str) or not isinstance(completion, str):
+            raise _bad(where, "prompt and completion must both be strings")
+        if not completion:
+            raise _bad(where, "has no loss tokens (an empty completion)")
+        before = tok.encode_special_tokens
+        tok.encode_special_tokens = True  # text spelling a special token stays text
+        try:
+            p = tok.encode(prompt, add_special_tokens=False).ids if prompt else []
+            c = tok.encode(completion, add_special_tokens=False).ids if completion else []
+        finally:
+            tok.encode_special_tokens = before
+        return p + c + [eos], [False] * len(p) + [True] * (len(c) + 1)
+    raise _bad(where, f"has neither prompt/completion nor messages (keys: {sorted(record)})")
+
+
+def build_instruction_arrays(
+    files: list[pathlib.Path],
+    tok: Tokenizer,
+    template: ChatTemplate | None,
+    seq_len: int,
+    setting: str = "data.path",
+) -> InstructionDataset:
+    """Every line of the files as a padded sample (see the module doc)."""
+    eos = eos_id(tok)
+    rows, masks = [], []
+    stats = InstructStats()
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{setting}: {path}:{lineno}"
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise _bad(where, f"is not valid JSON ({e.msg})") from None
+                ids, mask = encode_record(record, tok, template, where, eos)
+                if not any(mask[1:]):  # the first token is never a label
+                    raise _bad(where, "has no loss tokens (no completion / assistant text)")
+                if len(ids) > seq_len + 1:
+                    stats.truncated += 1
+                    ids, mask = ids[: seq_len + 1], mask[: seq_len + 1]
+                    if not any(mask[1:]):
+                        raise _bad(
+                            where,
+                            f"has no loss tokens within train.seq_len={seq_len} (its prompt "
+                            "fills the whole sequence); shorten it or raise train.seq_len",
+                        )
+                rows.append(ids)
+                masks.append(mask)
+                stats.tokens += len(ids)
+                stats.loss_tokens += sum(mask[1:])
+    if not rows:
+        raise ConfigError(f"{setting}: {files[0] if files else ''} holds no samples")
+    stats.samples = len(rows)
+    stats.positions = len(rows) * seq_len
+    pad = eos
+    ids = np.full((len(rows), seq_len + 1), pad, dtype=np.int32)
+    targets = np.zeros((len(rows), seq_len + 1), dtype=bool)
+    for i, (r, m) in enumerate(zip(rows, masks, strict=True)):
+        ids[i, : len(r)] = r
+        targets[i, : len(m)] = m
+    return InstructionDataset(ids, targets, stats)

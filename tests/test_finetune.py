@@ -1,0 +1,185 @@
+"""Fine-tuning a HF model: the checkpoint's tokenizer everywhere, sliced dcp: loading, the final
+checkpoint by default (docs/finetuning.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hybrid2d.checkpoint.hf import adopt_source_model
+from hybrid2d.checkpoint.hf_convert import convert_hf_to_dcp
+from hybrid2d.config import ConfigError, JobConfig
+from hybrid2d.data import build_data
+from hybrid2d.data.tokenizer import describe_tokenizer
+from tests.launch import REPO, check_ok, launcher_env, run_ranks
+
+transformers = pytest.importorskip("transformers")
+from tests.workers.hf_chat import make_chat_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def chat_dirs(tmp_path_factory):
+    """(HF dir with tokenizer and chat template, its DCP conversion, a text file)."""
+    root = tmp_path_factory.mktemp("chat")
+    hf_dir, dcp_dir = root / "hf", root / "dcp"
+    make_chat_model(str(hf_dir))
+    convert_hf_to_dcp(str(hf_dir), str(dcp_dir), progress=False)
+    text = root / "text.txt"
+    text.write_text("def answer():\n    return 42  # the answer\n" * 40)
+    return hf_dir, dcp_dir, text
+
+
+def first_batch(spec: str, text, cache) -> tuple[JobConfig, torch.Tensor]:
+    cfg = JobConfig(recipe="test")
+    cfg.checkpoint.init_from = spec
+    adopt_source_model(cfg, set())
+    cfg.data.path, cfg.data.cache_dir = str(text), str(cache)
+    cfg.train.seq_len, cfg.train.global_batch = 32, 2
+    loader, _ = build_data(cfg, 0, 1, True, lambda: None)
+    return cfg, loader.next_batch()[0][0]
+
+
+def test_dcp_of_a_converted_dir_trains_with_its_tokenizer(chat_dirs, tmp_path):
+    hf_dir, dcp_dir, text = chat_dirs
+    cfg_hf, ids_hf = first_batch(f"hf:{hf_dir}", text, tmp_path)
+    cfg_dcp, ids_dcp = first_batch(f"dcp:{dcp_dir}", text, tmp_path)
+    assert cfg_dcp.data.tokenizer == str(dcp_dir)
+    assert torch.equal(ids_hf, ids_dcp)
+    assert "stored with checkpoint.init_from" in describe_tokenizer(cfg_dcp)
+    assert str(dcp_dir / "tokenizer.json") in describe_tokenizer(cfg_dcp)
+    # An explicit data.tokenizer wins.
+    cfg = JobConfig(recipe="test")
+    cfg.checkpoint.init_from, cfg.data.tokenizer = f"dcp:{dcp_dir}", str(hf_dir)
+    adopt_source_model(cfg, set())
+    assert cfg.data.tokenizer == str(hf_dir)
+
+
+def test_init_from_without_tokenizer_and_no_data_tokenizer_is_an_error(tmp_path):
+    hf_dir = tmp_path / "bare"
+    make_chat_model(str(hf_dir), tokenizer=False)
+    cfg = JobConfig(recipe="test")
+    cfg.checkpoint.init_from = f"hf:{hf_dir}"
+    with pytest.raises(ConfigError, match="checkpoint.init_from=.*data.tokenizer"):
+        adopt_source_model(cfg, set())
+    proc = train_cli(tmp_path, "--checkpoint.init_from", f"hf:{hf_dir}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error:"), proc.stderr
+    assert "checkpoint.init_from" in errors[0] and "data.tokenizer" in errors[0]
+    assert not (tmp_path / "run").exists()
+
+
+def train_cli(tmp_path, *args, timeout=300):
+    cmd = [
+        sys.executable,
+        "recipes/llama.py",
+        "--train.seq_len",
+        "32",
+        "--train.global_batch",
+        "4",
+        "--data.max_chars",
+        "100000",
+        "--data.cache_dir",
+        str(tmp_path / "cache"),
+        "--metrics.progress_bar",
+        "false",
+        "--metrics.run_dir",
+        str(tmp_path / "run"),
+        *args,
+    ]
+    env = launcher_env()
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_2x2_dcp_reads_only_each_ranks_slices(chat_dirs, tmp_path):
+    """init_from dcp: of a converted directory on a 2x2 mesh: each rank reads 24-26% of the
+    checkpoint's tensor bytes (as hf: does), and the loaded weights equal the file's."""
+    from tests.workers.hf_models import make_hf_model
+
+    hf_dir, dcp_dir = tmp_path / "gqa", tmp_path / "gqa.dcp"
+    make_hf_model("gqa-llama3", str(hf_dir))  # vocab 130: uneven 33/32 tp rows
+    convert_hf_to_dcp(str(hf_dir), str(dcp_dir), progress=False)
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
+    torch.save(tokens, tmp_path / "tokens.pt")
+    out = tmp_path / "out.pt"
+    args = ["tests/workers/hf_load.py", str(out), str(tmp_path / "tokens.pt"), "2", "2"]
+    check_ok(run_ranks(4, [*args, "gqa", str(hf_dir), str(dcp_dir)], timeout=600))
+    results = torch.load(out)
+    dcp, hf = results[("gqa", "dcp")], results[("gqa", "hf")]
+    total = dcp["checkpoint_bytes"]
+    for rank, n in enumerate(dcp["bytes_read"]):
+        assert 0.24 * total <= n <= 0.26 * total, f"rank {rank} read {n} of {total} bytes"
+    assert sum(dcp["bytes_read"]) >= total
+    torch.testing.assert_close(dcp["logits"], hf["logits"], rtol=1e-5, atol=1e-5)
+    for name, value in hf["params"].items():
+        assert torch.equal(dcp["params"][name], value), name
+    print(json.dumps({"dcp_fraction_per_rank": [n / total for n in dcp["bytes_read"]]}))
+
+
+@pytest.mark.slow
+def test_readme_first_command_leaves_a_checkpoint_generate_reads(tmp_path):
+    """README's first command (shortened to 3 steps on less text) saves the final checkpoint by
+    default, and tools/generate.py runs/<run> samples from it."""
+    from tests.launch import retry_if_port_taken
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           "recipes/accelerate/cpu_2x2.yaml", "--main_process_port", "0", "recipes/llama.py",
+           "--train.steps", "3", "--data.max_chars", "200000", "--metrics.run_dir", str(run_dir),
+           "--data.cache_dir", str(tmp_path / "cache"),
+           "--metrics.progress_bar", "false"]  # fmt: skip
+    proc = retry_if_port_taken(
+        lambda: subprocess.run(
+            cmd, cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=600
+        )
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [c["step"] for c in summary["checkpoints"]] == [3]
+    gen = subprocess.run(
+        [sys.executable, "tools/generate.py", str(run_dir), "--prompt", "def ",
+         "--max-new-tokens", "8", "--json"],
+        cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert gen.returncode == 0, gen.stderr[-3000:]
+    assert len(json.loads(gen.stdout)["ids"]) >= 1
+
+
+def test_generate_chat_renders_the_template_and_matches_transformers(chat_dirs, tmp_path):
+    """tools/generate.py --chat: the prompt is the chat template's rendering with the generation
+    prompt (as transformers renders it), and greedy ids equal transformers' generate."""
+    hf_dir = chat_dirs[0]
+    proc = subprocess.run(
+        [sys.executable, "tools/generate.py", str(hf_dir), "--chat", "What is the answer?",
+         "--system", "Be brief.", "--max-new-tokens", "6", "--no-stop", "--json"],
+        cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is the answer?"},
+    ]
+    text = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert got["prompt"] == text
+    model = transformers.LlamaForCausalLM.from_pretrained(str(hf_dir)).eval()
+    ids = torch.tensor([hf_tok(text, add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None)
+    assert got["ids"] == ref[0, ids.shape[1] :].tolist()
+    # A tokenizer without a chat template: one error line, exit 2.
+    (tmp_path / "tokenizer.json").write_bytes((hf_dir / "tokenizer.json").read_bytes())
+    bare = subprocess.run(
+        [sys.executable, "tools/generate.py", str(hf_dir), "--chat", "hi",
+         "--tokenizer", str(tmp_path / "tokenizer.json"), "--max-new-tokens", "2"],
+        cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert bare.returncode == 2
+    lines = [ln for ln in bare.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "has no chat template" in lines[0], bare.stderr

@@ -1,0 +1,236 @@
+"""Instruction data: chat templates rendered as transformers renders them, the loss only on
+completion / assistant tokens, truncation counted, bad lines named, the held-out set split the
+same way on every mesh."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from hybrid2d.config import ConfigError, JobConfig
+from hybrid2d.data import EvalSet, build_run_data
+from hybrid2d.data.chat import load_chat_template
+from hybrid2d.data.instruct import build_instruction_arrays
+from tests.launch import REPO, launcher_env
+
+transformers = pytest.importorskip("transformers")
+from tests.workers.hf_chat import make_chat_model, make_tokenizer  # noqa: E402
+
+# A template in the style of Llama/Mistral ones: bos_token, a system turn folded in, loop
+# variables, a namespace, raise_exception on alternation, whitespace control.
+OTHER_TEMPLATE = """{{- bos_token }}
+{%- set ns = namespace(system='') %}
+{%- if messages[0]['role'] == 'system' %}{% set ns.system = messages[0]['content'] %}{% endif %}
+{%- for message in messages if message['role'] != 'system' %}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}
+        {{- raise_exception('Conversation roles must alternate user/assistant/user/...') }}
+    {%- endif %}
+    {%- if message['role'] == 'user' %}
+        {{- '[INST] ' + (ns.system + '\\n\\n' if loop.first and ns.system else '') }}
+        {{- message['content'] | trim + ' [/INST]' }}
+    {%- else %}
+        {{- ' ' + message['content'] | trim + eos_token }}
+    {%- endif %}
+{%- endfor %}
+"""
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 6 x 7?"}],
+    [
+        {"role": "system", "content": "You answer briefly."},
+        {"role": "user", "content": "What is 6 x 7?"},
+    ],
+    [
+        {"role": "system", "content": "You answer briefly."},
+        {"role": "user", "content": "What is 6 x 7?"},
+        {"role": "assistant", "content": "42."},
+        {"role": "user", "content": "  And 7 x 8?  "},
+        {"role": "assistant", "content": '56, with ünïcode and "quotes" & <tags>.'},
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def tok_dirs(tmp_path_factory):
+    """Two tokenizer directories: the ChatML template in tokenizer_config.json, and another
+    template in chat_template.jinja (transformers 5's file) with bos/eos tokens."""
+    root = tmp_path_factory.mktemp("tok")
+    chatml = root / "chatml"
+    make_tokenizer(str(chatml))
+    other = root / "other"
+    other.mkdir()
+    shutil.copy(chatml / "tokenizer.json", other / "tokenizer.json")
+    (other / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<|im_start|>",
+                "eos_token": "<|im_end|>",
+            }
+        )
+    )
+    (other / "chat_template.jinja").write_text(OTHER_TEMPLATE)
+    return {"chatml": chatml, "other": other}
+
+
+@pytest.mark.parametrize("name", ["chatml", "other"])
+@pytest.mark.parametrize("conv", range(len(CONVERSATIONS)))
+@pytest.mark.parametrize("gen", [False, True], ids=["no-gen", "gen-prompt"])
+def test_chat_rendering_equals_transformers(tok_dirs, name, conv, gen):
+    messages = CONVERSATIONS[conv]
+    ours = load_chat_template(str(tok_dirs[name])).render(messages, add_generation_prompt=gen)
+    hf = transformers.AutoTokenizer.from_pretrained(str(tok_dirs[name]))
+    theirs = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+    assert ours == theirs
+
+
+def write_lines(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def loss_text(tok, ds, i) -> str:
+    ids = ds.ids[i][ds.targets[i]]
+    return tok.decode(ids.tolist(), skip_special_tokens=False)
+
+
+def test_loss_only_on_assistant_turns_and_completion(tok_dirs, tmp_path):
+    d = tok_dirs["chatml"]
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    records = [
+        {"messages": CONVERSATIONS[2]},
+        {"prompt": "Q: 6 x 7? A:", "completion": " 42"},
+    ]
+    f = write_lines(tmp_path / "a.jsonl", records)
+    ds = build_instruction_arrays([f], tok, load_chat_template(str(d)), 128)
+    assert loss_text(tok, ds, 0) == (
+        '42.<|im_end|>56, with ünïcode and "quotes" & <tags>.<|im_end|>'
+    )
+    assert loss_text(tok, ds, 1) == " 42<|endoftext|>"
+    # The labels the loader hands out: the next token where it is a loss token, else -100.
+    inputs, labels = ds.gather([0, 1])
+    assert inputs.shape == labels.shape == (2, 128)
+    assert torch.equal(labels != -100, torch.from_numpy(ds.targets[[0, 1], 1:]))
+    keep = labels != -100
+    assert torch.equal(labels[keep], torch.from_numpy(ds.ids[[0, 1], 1:].astype(np.int64))[keep])
+    # The rendered text's tokens are what inference sees: ids equal the tokenized render.
+    text = load_chat_template(str(d)).render(CONVERSATIONS[2])
+    ids = tok.encode(text, add_special_tokens=False).ids
+    assert ds.ids[0][: len(ids)].tolist() == ids
+    assert ds.stats.samples == 2 and ds.stats.truncated == 0
+    assert ds.stats.loss_tokens == int(ds.targets[:, 1:].sum())
+
+
+def test_truncation_is_counted(tok_dirs, tmp_path):
+    d = tok_dirs["chatml"]
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    long = {"prompt": "Q?", "completion": " the answer" * 40}
+    f = write_lines(tmp_path / "t.jsonl", [long, {"prompt": "Q?", "completion": " 42"}])
+    ds = build_instruction_arrays([f], tok, None, 32)
+    assert ds.stats.truncated == 1 and ds.ids.shape == (2, 33)
+    assert ds.targets[0].all() == False  # noqa: E712 - the prompt is not a loss token
+    assert ds.targets[0, -1]
+
+
+RAISING = "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }}{% endfor %}"  # noqa: E501
+
+BAD = {
+    "neither-format": ({"text": "hello"}, "neither prompt/completion nor messages"),
+    "unknown-role": (
+        {"messages": [{"role": "user", "content": "q"}, {"role": "bot", "content": "a"}]},
+        "unknown role 'bot'",
+    ),
+    "template-fails": (
+        {
+            "messages": [
+                {"role": "system", "content": "s"},
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "content": "a"},
+            ]
+        },
+        "System role not supported",
+    ),  # fmt: skip
+    "no-loss-tokens": ({"messages": [{"role": "user", "content": "q"}]}, "no loss tokens"),
+    "empty-completion": ({"prompt": "q", "completion": ""}, "no loss tokens"),
+    "not-json": ("{oops", "not valid JSON"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_instruction_line_names_file_and_line(tok_dirs, tmp_path, case):
+    d = tok_dirs["chatml"]
+    if case == "template-fails":
+        d = tmp_path / "raising"
+        shutil.copytree(tok_dirs["chatml"], d)
+        (d / "chat_template.jinja").write_text(RAISING)
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    record, says = BAD[case]
+    good = {"prompt": "q", "completion": "a"}
+    f = tmp_path / "bad.jsonl"
+    line = record if isinstance(record, str) else json.dumps(record)
+    f.write_text(json.dumps(good) + "\n\n" + line + "\n")
+    with pytest.raises(ConfigError) as e:
+        build_instruction_arrays([f], tok, load_chat_template(str(d)), 64)
+    msg = str(e.value)
+    assert f"{f}:3" in msg and says in msg and "\n" not in msg, msg
+
+
+def test_bad_instruction_data_is_one_error_line_and_exit_2(tok_dirs, tmp_path):
+    hf_dir = tmp_path / "model"
+    make_chat_model(str(hf_dir))
+    f = tmp_path / "bad.jsonl"
+    bad = {"messages": [{"role": "x", "content": "a"}]}
+    f.write_text('{"prompt": "q", "completion": "a"}\n' + json.dumps(bad) + "\n")
+    cmd = [sys.executable, "recipes/llama.py", "--checkpoint.init_from", f"hf:{hf_dir}",
+           "--data.path", str(f), "--train.seq_len", "32", "--data.cache_dir",
+           str(tmp_path / "cache"), "--metrics.run_dir", str(tmp_path / "run")]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=launcher_env(), capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), proc.stderr
+    assert f"{f}:2" in lines[0] and "unknown role 'x'" in lines[0]
+
+
+@pytest.mark.parametrize("dp,micro", [(1, 1), (2, 1), (2, 2), (4, 2)])
+def test_eval_set_is_split_the_same_way_on_every_mesh(dp, micro):
+    class Rows:
+        def __len__(self):
+            return 7
+
+        def gather(self, idx):
+            idx = torch.as_tensor(np.asarray(idx), dtype=torch.long)
+            return idx[:, None].expand(-1, 4).clone(), idx[:, None].expand(-1, 4).clone()
+
+    seen, rounds = [], set()
+    for rank in range(dp):
+        batches = list(EvalSet(Rows(), "t").batches(rank, dp, micro))
+        rounds.add(len(batches))
+        for inputs, labels in batches:
+            assert inputs.shape == labels.shape == (micro, 4)
+            seen += [int(r[0]) for r in labels if r[0] != -100]
+    assert sorted(seen) == list(range(7))
+    assert len(rounds) == 1  # every rank runs the same number of forward passes
+
+
+def test_val_fraction_holds_out_a_fixed_part(tok_dirs, tmp_path):
+    f = tmp_path / "d.jsonl"
+    write_lines(f, [{"prompt": f"q{i}", "completion": f" a{i}"} for i in range(40)])
+    cfg = JobConfig(recipe="test")
+    cfg.data.path, cfg.data.tokenizer = str(f), str(tok_dirs["chatml"])
+    cfg.data.cache_dir, cfg.data.val_fraction = str(tmp_path / "cache"), 0.1
+    cfg.model.vocab_size, cfg.train.seq_len, cfg.train.global_batch = 384, 16, 4
+    data = build_run_data(cfg, 0, 1, True, lambda: None)
+    assert data.kind == "instruct" and len(data.val) == 4 and len(data.loader.dataset) == 36
+    held = set(data.val.dataset.indices.tolist())
+    assert not held & set(data.loader.dataset.indices.tolist())
+    cfg.train.seed = 5  # the held-out part does not move with the training seed
+    again = build_run_data(cfg, 0, 1, True, lambda: None)
+    assert set(again.val.dataset.indices.tolist()) == held
