@@ -6,12 +6,12 @@
 
 Runs alternate (hybrid2d, transformers, single, hybrid2d, ...) so that drift of a shared machine
 hits every kind alike; each figure is the median over all measured steps of all repeats. All kinds
-start from the same weights and see the same global batches (the first-step losses are printed
-and compared). Parallel efficiency = single-process throughput / distributed throughput per unit
-of hardware: on CPU every kind shares the host's cores (single step time / distributed step
-time); on CUDA the single process has one GPU and a mesh has dp x tp. MFU = model FLOPs per token
-x tokens/s over the peak FLOP/s of the hardware used (known GPUs' dense bf16 peak, or
---peak-tflops).
+start from the same weights (a SHA-256 of every parameter tensor after loading, compared
+across kinds before any figure is reported) and see the same global batches. Parallel
+efficiency = single-process throughput / distributed throughput per unit of hardware: on CPU
+every kind shares the host's cores (single step time / distributed step time); on CUDA the
+single process has one GPU and a mesh has dp x tp. MFU = model FLOPs per token x tokens/s
+over the peak FLOP/s of the hardware used (known GPUs' dense bf16 peak, or --peak-tflops).
 """
 
 from __future__ import annotations
@@ -165,7 +165,31 @@ def measure(dp: int, tp: int, args, model_dir: str) -> dict:
     if args.comm:
         base = kinds["hybrid2d"][1]
         runs["comm"] = launch("hybrid2d", dp, tp, args, model_dir, base + ["--comm"])
+    check_same_weights(runs, f"{dp}x{tp}")
     return runs
+
+
+def check_same_weights(runs: dict, mesh: str) -> None:
+    """Every run of every kind started from the weights of hybrid2d's first run, tensor for
+    tensor (runs of a --baseline checkout whose worker reports no checksums are not compared)."""
+    ref = runs["hybrid2d"][0]["checksums"]
+    for label, kind_runs in runs.items():
+        for run in kind_runs if isinstance(kind_runs, list) else [kind_runs]:
+            got = run.get("checksums")
+            if got is None:
+                continue
+            if set(got) != set(ref):
+                raise SystemExit(
+                    f"bench: {label} {mesh} has parameters {sorted(set(got) ^ set(ref))} that "
+                    "the hybrid2d run has not (or the other way round)"
+                )
+            differ = [name for name in ref if got[name] != ref[name]]
+            if differ:
+                raise SystemExit(
+                    f"bench: {label} {mesh} starts from other weights than hybrid2d "
+                    f"({len(differ)} tensors differ, first {differ[0]}); its figures would not "
+                    "compare like with like"
+                )
 
 
 def devices_used(label: str, args) -> int:
@@ -187,6 +211,8 @@ def summarize(runs: dict, args, model: ModelConfig) -> dict:
             "step_s": step,
             "tokens_per_s": tokens / step,
             "first_loss": kind_runs[0]["losses"][0],
+            "weights_sha256": _digest(kind_runs[0].get("checksums")),
+            "weight_tensors": len(kind_runs[0].get("checksums") or {}),
             "peak_mem_mib": max(max(r["peak_mem"]) for r in kind_runs) / 2**20,
             "devices": devices_used(label, args),
         }
@@ -204,6 +230,16 @@ def summarize(runs: dict, args, model: ModelConfig) -> dict:
         for r in k.values():
             r["mfu"] = fpt * r["tokens_per_s"] / (args.peak_flops * r["devices"])
     return row
+
+
+def _digest(checksums: dict | None) -> str | None:
+    """One SHA-256 over every tensor's, in name order (None when the run reported none)."""
+    if checksums is None:
+        return None
+    import hashlib
+
+    joined = "".join(f"{name}={checksums[name]};" for name in sorted(checksums))
+    return hashlib.sha256(joined.encode()).hexdigest()
 
 
 def peak_flops(args) -> float | None:

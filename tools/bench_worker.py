@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import sys
@@ -51,6 +52,22 @@ def job_config(args) -> JobConfig:
     )
 
 
+def weight_checksums(model: torch.nn.Module) -> dict[str, str]:
+    """SHA-256 of every parameter's full (unsharded) fp32 values, by name, taken after loading
+    and before the first step; sharded parameters are gathered one at a time. Filled on rank 0
+    (empty elsewhere); bench.py compares the kinds' checksums."""
+    out = {}
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    for name, p in model.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        if main:
+            data = full.detach().to("cpu", torch.float32).contiguous().view(torch.uint8)
+            key = name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
+            out[key] = hashlib.sha256(data.numpy().tobytes()).hexdigest()
+        del full
+    return out
+
+
 def synchronize(device: torch.device) -> None:
     """Step times on CUDA must include the queued kernels."""
     if device.type == "cuda":
@@ -75,6 +92,7 @@ def run_hybrid2d(args):
     init_distributed(args.device, 300, cfg.parallel.shm_collectives)
     mesh = build_mesh(args.device, 1, args.dp, args.tp)
     trainer = Trainer(cfg, mesh)
+    checksums = weight_checksums(trainer.model)
     per = args.global_batch // mesh.dp
     lo = mesh.dp_rank * per
     mb = cfg.train.micro_batch or per
@@ -92,7 +110,7 @@ def run_hybrid2d(args):
             r = trainer.train_step(micro)
         times.append(r.seconds)
         losses.append(r.loss)
-    return times, losses, comm, mesh.device
+    return times, losses, comm, mesh.device, checksums
 
 
 def run_transformers(args):
@@ -115,6 +133,7 @@ def run_transformers(args):
         dtype=torch.float32,
     )
     model.train()
+    checksums = weight_checksums(model)
     mesh = model._device_mesh
     dp_rank = mesh["fsdp"].get_local_rank() if args.dp > 1 else 0
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
@@ -141,7 +160,7 @@ def run_transformers(args):
         dist.all_reduce(value)
         losses.append(value.item() / dist.get_world_size())  # .item() waits for the step
         times.append(time.perf_counter() - start)
-    return times, losses, None, device
+    return times, losses, None, device, checksums
 
 
 def run_single(args):
@@ -153,6 +172,7 @@ def run_single(args):
     model = Llama(cfg.model)
     model.init_weights(0)
     model.to(device)
+    checksums = weight_checksums(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     times, losses = [], []
     for x, y in batches(cfg.model, args.global_batch, args.seq_len, args.steps):
@@ -168,7 +188,7 @@ def run_single(args):
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())  # .item() waits for the step
         times.append(time.perf_counter() - start)
-    return times, losses, None, device
+    return times, losses, None, device, checksums
 
 
 def main():
@@ -188,14 +208,23 @@ def main():
     if "RANK" in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
     run = {"hybrid2d": run_hybrid2d, "transformers": run_transformers, "single": run_single}
-    times, losses, comm, device = run[args.impl](args)
+    times, losses, comm, device, checksums = run[args.impl](args)
     peaks = [peak_memory_bytes(device)]  # CUDA: peak allocated by tensors; CPU: peak RSS
     if dist.is_initialized():
         peaks = [None] * dist.get_world_size()
         dist.all_gather_object(peaks, peak_memory_bytes(device))
     if not dist.is_initialized() or dist.get_rank() == 0:
         with open(args.out, "w") as f:
-            json.dump({"times": times, "losses": losses, "peak_mem": peaks, "comm": comm}, f)
+            json.dump(
+                {
+                    "times": times,
+                    "losses": losses,
+                    "peak_mem": peaks,
+                    "comm": comm,
+                    "checksums": checksums,
+                },
+                f,
+            )
     shutdown_distributed()
 
 
