@@ -253,18 +253,7 @@ def measured(tmp_path_factory, dp, tp):
     return _measured[dp, tp]
 
 
-# estimate.py's loss phase counts 4 logits-sized transients when tp > 1 (`loss_k`); the
-# vocab-parallel loss of parallel/loss.py holds 3 since the TP plan moved out of the model
-# (softmax in place, local backward), so the estimate is one fp32 logits shard high there:
-# measured 2026-12-03, activations 69.70 / 77.66 MiB on (2,2), 78.75 / 86.67 MiB on (1,4).
-LOSS_K_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="estimate.py loss_k=4 for tp>1: one logits shard (8 MiB, ~10%) above the measured "
-    "loss-parallel peak",
-)
-ESTIMATE_MESHES = [
-    pytest.param(d, t, id=f"dp{d}xtp{t}", marks=[LOSS_K_BUG] if t > 1 else []) for d, t in MESHES
-]
+ESTIMATE_MESHES = [pytest.param(d, t, id=f"dp{d}xtp{t}") for d, t in MESHES]
 
 
 @pytest.mark.slow

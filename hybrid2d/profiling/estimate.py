@@ -24,8 +24,8 @@ with c the compute bytes (4 fp32, 2 bf16). With activation checkpointing a block
 input, (N/tp) * dim * c, and one block's set is rebuilt during its backward. After the last
 block: the final norm, the lm_head input and the logits, N * vocab/tp * 4 bytes in fp32. The
 loss adds transients of the logits' size: the peak of cross entropy's backward holds 3 of them
-(log-softmax output, its gradient and nll's gradient) and loss parallel's 4 (the vocab-parallel
-log-softmax keeps one more).
+(log-softmax output, its gradient and nll's gradient), and so does the vocab-parallel loss of
+parallel/loss.py (the fp32 logits, exp, and the softmax it turns in place into the gradient).
 
 Communication buffers are FSDP2's: each unit's gathered parameters (padded, in the compute
 dtype), their gradients before the reduce-scatter, and the flat reduce-scatter input. The root
@@ -256,7 +256,7 @@ def estimate(cfg: JobConfig, mesh: MeshShape, rank: int = 0, target: str = "cuda
     head = Nl * D * (4 + c) + Nl * 4 + N * D * c
     logits = N * (vocab // tp) * 4
     inputs = 2 * b * S * 8 + 2 * S * hd * c
-    loss_k = 4 if tp > 1 else 3
+    loss_k = 3
     ffn_grad = 2 * N * ffn * c
     # The final norm's output, gathered over the sequence for the lm_head (tp > 1: the gather's
     # output and its re-layout both exist for a moment).
