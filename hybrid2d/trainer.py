@@ -343,7 +343,10 @@ def format_summary(s: dict) -> str:
                 else []
             ),
             *(
-                [f"  truncated      {s['data']['train']['truncated']} samples"]
+                [
+                    f"  truncated      {s['data']['train']['truncated']} samples "
+                    f"({s['data']['train']['dropped']} dropped: no loss token within seq_len)"
+                ]
                 if s.get("data", {}).get("train")
                 else []
             ),

@@ -183,3 +183,45 @@ def test_generate_chat_renders_the_template_and_matches_transformers(chat_dirs, 
     assert bare.returncode == 2
     lines = [ln for ln in bare.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "has no chat template" in lines[0], bare.stderr
+
+
+def test_instruction_run_with_validation_reports_everywhere(chat_dirs, tmp_path):
+    """One process: instruction data from a converted directory, validation every 2 steps:
+    val/loss and val/ppl in TensorBoard, summary.json and the progress bar; truncation and the
+    chat template files saved with the checkpoint."""
+    import math
+
+    from tests.workers.hf_chat import write_instruction_data
+
+    hf_dir, dcp_dir, _ = chat_dirs
+    write_instruction_data(str(tmp_path / "train.jsonl"), 24, seed=0)
+    write_instruction_data(str(tmp_path / "val.jsonl"), 5, seed=1)
+    proc = train_cli(
+        tmp_path, "--checkpoint.init_from", f"dcp:{dcp_dir}", "--data.path",
+        str(tmp_path / "train.jsonl"), "--data.val_path", str(tmp_path / "val.jsonl"),
+        "--train.eval_every", "2", "--train.steps", "4", "--train.seq_len", "64",
+        "--metrics.progress_bar", "true",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "stored with checkpoint.init_from" in proc.stdout
+    assert "val_loss=" in proc.stderr and "val_ppl=" in proc.stderr  # the progress bar
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert [v["step"] for v in s["val"]] == [2, 4]
+    assert s["val_loss"] == s["val"][-1]["loss"]
+    assert math.isclose(s["val_ppl"], math.exp(s["val_loss"]), rel_tol=1e-9)
+    assert s["data"]["kind"] == "instruct" and s["data"]["train"]["samples"] == 24
+    assert s["data"]["train"]["truncated"] >= 1 and s["data"]["val"]["samples"] == 5
+    assert "truncated" in proc.stdout and "val loss" in proc.stdout
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    acc.Reload()
+    assert {"val/loss", "val/ppl"} <= set(acc.Tags()["scalars"])
+    assert [e.step for e in acc.Scalars("val/loss")] == [2, 4]
+    step = tmp_path / "run" / "checkpoints" / "step-0000004"
+    assert (step / "tokenizer_config.json").is_file()  # generate --chat works from it
+    # init_from a training checkpoint: its shape and its tokenizer.json.
+    cfg = JobConfig(recipe="test")
+    cfg.checkpoint.init_from = f"dcp:{step}"
+    adopt_source_model(cfg, set())
+    assert cfg.data.tokenizer == str(step) and cfg.model.vocab_size == 384

@@ -234,3 +234,14 @@ def test_val_fraction_holds_out_a_fixed_part(tok_dirs, tmp_path):
     cfg.train.seed = 5  # the held-out part does not move with the training seed
     again = build_run_data(cfg, 0, 1, True, lambda: None)
     assert set(again.val.dataset.indices.tolist()) == held
+
+
+def test_a_sample_whose_loss_tokens_lie_beyond_seq_len_is_dropped_and_counted(tok_dirs, tmp_path):
+    tok = Tokenizer.from_file(str(tok_dirs["chatml"] / "tokenizer.json"))
+    long_prompt = {"prompt": "why " * 50, "completion": " 42"}
+    f = write_lines(tmp_path / "d.jsonl", [long_prompt, {"prompt": "Q?", "completion": " 42"}])
+    ds = build_instruction_arrays([f], tok, None, 32)
+    assert ds.stats.samples == 1 and ds.stats.dropped == 1 and ds.stats.truncated == 0
+    only = write_lines(tmp_path / "e.jsonl", [long_prompt])
+    with pytest.raises(ConfigError, match="holds no samples .1 have no loss token"):
+        build_instruction_arrays([only], tok, None, 32)

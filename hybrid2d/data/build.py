@@ -136,21 +136,30 @@ def _instruct_cache(
         json.dumps(template.special if template is not None else {}, sort_keys=True),
         cfg.train.seq_len,
     )
-    path = cache_dir / "instruct" / f"{key}.npz"
-    if not path.exists():
+    folder = cache_dir / "instruct" / key
+    meta_path = folder / "meta.json"  # written last: its presence means the entry is complete
+    if not meta_path.exists():
         if not build:
             raise ConfigError(
-                f"data.cache_dir={str(cache_dir)!r} has no instruction cache {path.name} after "
+                f"data.cache_dir={str(cache_dir)!r} has no instruction cache {key} after "
                 "the main process built it; use a cache_dir every process can see"
             )
         ds = build_instruction_arrays(source_files(d), tok, template, cfg.train.seq_len, setting)
-        with atomic_path(path) as tmp:
-            with open(tmp, "wb") as f:
-                stats = json.dumps(dataclasses.asdict(ds.stats))
-                np.savez(f, ids=ds.ids, targets=ds.targets, stats=np.array(stats))
-    with np.load(path) as z:
-        stats = InstructStats(**json.loads(str(z["stats"])))
-        return InstructionDataset(z["ids"], z["targets"], stats)
+        for name, array in (
+            ("tokens", ds.tokens),
+            ("targets", ds.targets_flat),
+            ("offsets", ds.offsets),
+        ):
+            with atomic_path(folder / f"{name}.npy") as tmp:
+                with open(tmp, "wb") as f:  # a file object: np.save would append .npy
+                    np.save(f, array)
+        meta = {"pad_id": ds.pad_id, "seq_len": ds.seq_len, "stats": dataclasses.asdict(ds.stats)}
+        with atomic_path(meta_path) as tmp:
+            tmp.write_text(json.dumps(meta))
+    meta = json.loads(meta_path.read_text())
+    arrays = [np.load(folder / f"{n}.npy", mmap_mode="r") for n in ("tokens", "targets", "offsets")]
+    stats = InstructStats(**meta["stats"])
+    return InstructionDataset(*arrays, meta["seq_len"], meta["pad_id"], stats)
 
 
 def _dataset(cfg: JobConfig, d, tok: Tokenizer, cache_dir, setting: str, build: bool):

@@ -8,11 +8,13 @@ up to and including the template's end-of-turn marker). Where an assistant turn 
 is found by rendering the conversation up to it with the generation prompt and up to its end:
 the turn is what the second adds to the first. Tokens are labelled by their character offsets.
 
-Samples are not packed: each is one row of train.seq_len positions, padded with labels -100
+Samples are not packed: each is one row of train.seq_len positions (padded when gathered; the
+cache holds one flat token array, memory-mapped by every rank), padded with labels -100
 (ignore_index) that the loss does not count. With the model's causal attention a sample can
 therefore never attend to a neighbour's tokens, without any document mask; the price is the
 compute spent on padding, which the data summary reports. A sample longer than seq_len + 1
-tokens is cut to that length and counted as truncated.
+tokens is cut to that length and counted as truncated; one whose loss tokens all lie beyond it
+is dropped and counted.
 
 Bad data (not JSON, neither format, an unknown role, a template that refuses the conversation, a
 sample with no loss tokens) is one ConfigError line naming the file and line.
@@ -57,6 +59,7 @@ def is_instruction_file(path: pathlib.Path) -> bool:
 class InstructStats:
     samples: int = 0
     truncated: int = 0  # samples longer than seq_len + 1 tokens, cut
+    dropped: int = 0  # samples whose loss tokens all lie beyond seq_len + 1 tokens
     loss_tokens: int = 0
     tokens: int = 0  # tokens of the samples as kept (after truncation)
     positions: int = 0  # samples x seq_len
@@ -70,6 +73,7 @@ class InstructStats:
         return {
             "samples": self.samples,
             "truncated": self.truncated,
+            "dropped": self.dropped,
             "loss_tokens": self.loss_tokens,
             "padding_fraction": round(self.padding_fraction, 4),
         }
@@ -77,28 +81,56 @@ class InstructStats:
     def describe(self) -> str:
         return (
             f"{self.samples} samples, {self.truncated} truncated to train.seq_len, "
+            f"{self.dropped} dropped (no loss token within train.seq_len), "
             f"{self.loss_tokens} loss tokens, padding {self.padding_fraction:.0%} of positions"
         )
 
 
 class InstructionDataset:
-    """Padded samples: ids [N, seq_len + 1] and a mask of the tokens the loss counts."""
+    """Samples as one flat token array (and a flat mask of the tokens the loss counts) with
+    offsets; rows are padded to seq_len + 1 only when gathered, so memory (and the cache on
+    disk, memory-mapped) holds the data, not the padding."""
 
-    def __init__(self, ids: np.ndarray, targets: np.ndarray, stats: InstructStats):
-        self.ids = ids
-        self.targets = targets
-        self.stats = stats
-        self.seq_len = ids.shape[1] - 1
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        targets: np.ndarray,
+        offsets: np.ndarray,
+        seq_len: int,
+        pad_id: int,
+        stats: InstructStats,
+    ):
+        self.tokens, self.targets_flat, self.offsets = tokens, targets, offsets
+        self.seq_len, self.pad_id, self.stats = seq_len, pad_id, stats
 
     def __len__(self) -> int:
-        return len(self.ids)
+        return len(self.offsets) - 1
+
+    def rows(self, indices) -> tuple[np.ndarray, np.ndarray]:
+        """(ids int64 [k, seq_len + 1] padded with pad_id, loss mask bool [k, seq_len + 1])."""
+        idx = np.asarray(indices, dtype=np.int64)
+        ids = np.full((len(idx), self.seq_len + 1), self.pad_id, dtype=np.int64)
+        mask = np.zeros((len(idx), self.seq_len + 1), dtype=bool)
+        for row, i in enumerate(idx):
+            lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
+            ids[row, : hi - lo] = self.tokens[lo:hi]
+            mask[row, : hi - lo] = self.targets_flat[lo:hi]
+        return ids, mask
+
+    @property
+    def ids(self) -> np.ndarray:
+        """Every sample padded (for small sets and tests)."""
+        return self.rows(range(len(self)))[0]
+
+    @property
+    def targets(self) -> np.ndarray:
+        return self.rows(range(len(self)))[1]
 
     def gather(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, labels) LongTensors [len(indices), seq_len]; labels -100 off the loss."""
-        idx = np.asarray(indices, dtype=np.int64)
-        ids = torch.from_numpy(self.ids[idx].astype(np.int64))
-        keep = torch.from_numpy(self.targets[idx, 1:])
-        labels = ids[:, 1:].masked_fill(~keep, IGNORE_INDEX)
+        ids, mask = self.rows(indices)
+        ids = torch.from_numpy(ids)
+        labels = ids[:, 1:].masked_fill(~torch.from_numpy(mask[:, 1:]), IGNORE_INDEX)
         return ids[:, :-1].contiguous(), labels
 
 
@@ -207,26 +239,22 @@ def build_instruction_arrays(
                 if not any(mask[1:]):  # the first token is never a label
                     raise _bad(where, "has no loss tokens (no completion / assistant text)")
                 if len(ids) > seq_len + 1:
-                    stats.truncated += 1
                     ids, mask = ids[: seq_len + 1], mask[: seq_len + 1]
-                    if not any(mask[1:]):
-                        raise _bad(
-                            where,
-                            f"has no loss tokens within train.seq_len={seq_len} (its prompt "
-                            "fills the whole sequence); shorten it or raise train.seq_len",
-                        )
+                    if not any(mask[1:]):  # the prompt fills the sequence: nothing to learn
+                        stats.dropped += 1
+                        continue
+                    stats.truncated += 1
                 rows.append(ids)
                 masks.append(mask)
                 stats.tokens += len(ids)
                 stats.loss_tokens += sum(mask[1:])
     if not rows:
-        raise ConfigError(f"{setting}: {files[0] if files else ''} holds no samples")
+        why = f" ({stats.dropped} have no loss token within train.seq_len)" if stats.dropped else ""
+        raise ConfigError(f"{setting}: {files[0] if files else ''} holds no samples{why}")
     stats.samples = len(rows)
     stats.positions = len(rows) * seq_len
-    pad = eos
-    ids = np.full((len(rows), seq_len + 1), pad, dtype=np.int32)
-    targets = np.zeros((len(rows), seq_len + 1), dtype=bool)
-    for i, (r, m) in enumerate(zip(rows, masks, strict=True)):
-        ids[i, : len(r)] = r
-        targets[i, : len(m)] = m
-    return InstructionDataset(ids, targets, stats)
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([len(r) for r in rows])
+    tokens = np.fromiter((t for r in rows for t in r), dtype=np.int32, count=int(offsets[-1]))
+    targets = np.fromiter((m for ms in masks for m in ms), dtype=bool, count=int(offsets[-1]))
+    return InstructionDataset(tokens, targets, offsets, seq_len, eos, stats)
