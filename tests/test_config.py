@@ -1,4 +1,4 @@
-"""Bad settings: one line naming the setting, non-zero exit, before any process group."""
+"""Bad settings: one line naming the setting, exit 2, before any process group."""
 
 import os
 import subprocess
@@ -28,7 +28,7 @@ def run_cli(*args, world=1, local_world=None, timeout=60):
 
 def error_line(proc) -> str:
     lines = [ln for ln in proc.stderr.strip().splitlines() if ln.startswith("error:")]
-    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert proc.returncode == 2, proc.stdout + proc.stderr  # README: bad settings exit 2
     assert len(lines) == 1, proc.stderr
     return lines[0]
 
