@@ -245,3 +245,32 @@ def test_a_sample_whose_loss_tokens_lie_beyond_seq_len_is_dropped_and_counted(to
     only = write_lines(tmp_path / "e.jsonl", [long_prompt])
     with pytest.raises(ConfigError, match="holds no samples .1 have no loss token"):
         build_instruction_arrays([only], tok, None, 32)
+
+
+@pytest.mark.parametrize(
+    "settings,says",
+    [
+        ({"val_path": "v.jsonl", "val_fraction": 0.1}, "both name validation data"),
+        ({"eval_every": 5}, "train.eval_every=5 needs validation data"),
+    ],
+)
+def test_validation_settings_are_checked(settings, says):
+    cfg = JobConfig(recipe="test")
+    for key, value in settings.items():
+        setattr(cfg.train if key == "eval_every" else cfg.data, key, value)
+    with pytest.raises(ConfigError, match=says):
+        cfg.validate(1)
+
+
+def test_val_fraction_range_and_forced_instruct_format(tmp_path):
+    from hybrid2d.config import apply_overrides
+
+    with pytest.raises(ConfigError, match="data.val_fraction=0.7 is out of range"):
+        apply_overrides(JobConfig(), ["--data.val_fraction", "0.7"])
+    f = tmp_path / "a.txt"
+    f.write_text("hello")
+    cfg = JobConfig(recipe="test")
+    cfg.data.path, cfg.data.format = str(f), "instruct"
+    cfg.data.cache_dir = str(tmp_path / "cache")
+    with pytest.raises(ConfigError, match="data.format=instruct needs .jsonl files"):
+        build_run_data(cfg, 0, 1, True, lambda: None)
