@@ -109,6 +109,13 @@ class ParallelConfig:
     # Collective timeout in seconds; a dead peer surfaces as an error after this long instead
     # of a hang.
     timeout_s: int = 600
+    # manual: mesh, checkpointing and micro batch as set; auto: the planner's best plan for the
+    # launched world size (the start line says which it took; tools/plan.py shows the ranking).
+    plan: Literal["manual", "auto"] = "manual"
+    # The planner's hardware profile (start-of-run prediction and plan=auto): a preset (h100,
+    # h200, a100-80gb, b200, cpu), a JSON file from tools/plan.py --calibrate, or "" for this
+    # machine's (its CUDA device's preset, else an uncalibrated CPU guess).
+    plan_hardware: str = ""
 
 
 @dataclass

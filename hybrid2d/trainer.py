@@ -35,7 +35,10 @@ from hybrid2d.models.llama import Llama
 from hybrid2d.optim import build_optimizer, build_scheduler, clip_grad_norm
 from hybrid2d.parallel import parallelize
 from hybrid2d.parallel.loss import cross_entropy, loss_tokens
+from hybrid2d.planner.hardware import Hardware
+from hybrid2d.planner.launch import apply_auto_plan, prediction, profile_for
 from hybrid2d.preemption import Preemption
+from hybrid2d.profiling.estimate import MeshShape
 from hybrid2d.profiling.profiler import MemoryProfiler
 from hybrid2d.run_dir import create_run_dir, release_locks
 
@@ -199,20 +202,44 @@ def run(cfg: JobConfig, set_on_cli: frozenset[str] | set[str] = frozenset()) -> 
     apply_launcher_settings(cfg, set(set_on_cli))
     if cfg.checkpoint.init_from:  # the model shape comes from the checkpoint (checked early)
         adopt_source_model(cfg, set(set_on_cli))
-    _, world, _, _ = world_from_env()
-    dp_rep, dp_shard, tp = cfg.validate(world)
+    _, world, _, per_node = world_from_env()
     device_type = pick_device(cfg.train.device)
+    hw = planner_profile(cfg, device_type)
+    plan_line = None
+    if cfg.parallel.plan == "auto":
+        plan_line = apply_auto_plan(cfg, world, per_node, hw, set(set_on_cli))
+    dp_rep, dp_shard, tp = cfg.validate(world)
     if device_type == "cpu":
         set_cpu_threads()
     init_distributed(device_type, cfg.parallel.timeout_s, cfg.parallel.shm_collectives)
     try:
-        return _train(cfg, build_mesh(device_type, dp_rep, dp_shard, tp))
+        mesh = build_mesh(device_type, dp_rep, dp_shard, tp)
+        if plan_line:
+            print0(plan_line)
+        return _train(cfg, mesh, planned(cfg, mesh, hw, per_node))
     finally:
         release_locks()
         shutdown_distributed()
 
 
-def _train(cfg: JobConfig, mesh: Mesh) -> dict:
+def planner_profile(cfg: JobConfig, device_type: str) -> Hardware:
+    try:
+        return profile_for(cfg.parallel.plan_hardware, device_type)
+    except ConfigError as e:
+        raise ConfigError(f"parallel.plan_hardware={cfg.parallel.plan_hardware!r}: {e}") from None
+
+
+def planned(cfg: JobConfig, mesh: Mesh, hw: Hardware, per_node: int) -> dict:
+    """The planner's prediction for the launched configuration (step time, peak per rank)."""
+    shape = MeshShape(mesh.dp_replicate, mesh.dp_shard, mesh.tp)
+    try:
+        c = prediction(cfg, shape, hw, per_node)
+    except ConfigError as e:  # the planner cannot price it: say so, train anyway
+        return {"hardware": hw.name, "error": str(e)}
+    return {"hardware": hw.name, "step_s": c.step_s, "peak_bytes": round(c.peak_gib * 2**30)}
+
+
+def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
 
     torch.manual_seed(cfg.train.seed)
     run_dir = on_rank0(lambda: create_run_dir(cfg))  # rank 0 creates and locks it
@@ -223,6 +250,13 @@ def _train(cfg: JobConfig, mesh: Mesh) -> dict:
         f"{mesh.device.type} ({describe_transport(mesh)}), tokenizer {describe_tokenizer(cfg)}, "
         f"run dir {run_dir}"
     )
+    if "error" in plan:
+        print0(f"plan ({plan['hardware']}): no prediction: {plan['error']}")
+    else:
+        print0(
+            f"plan ({plan['hardware']} profile): predicted {plan['step_s']:.3g} s/step, "
+            f"{plan['peak_bytes'] / 2**30:.3g} GiB peak per rank"
+        )
     # A bad --checkpoint.resume fails here, on every rank, before data and model are built.
     resume_from = find_resume(cfg, run_dir)
     data = build_run_data(cfg, mesh.dp_rank, mesh.dp, main, dist.barrier)
@@ -304,6 +338,15 @@ def _train(cfg: JobConfig, mesh: Mesh) -> dict:
     dist.all_gather_object(peaks, peak_memory_bytes(mesh.device))
     # Skip the first steps (allocation, warm-up) when there are enough to measure steady state.
     steady = times[3:] if len(times) > 6 else times
+    if "error" not in plan and steady:
+        measured_step, measured_peak = sum(steady) / len(steady), max(peaks)
+        plan.update(
+            measured_step_s=measured_step,
+            step_error=plan["step_s"] / measured_step - 1,
+            measured_peak_bytes=measured_peak,
+            peak_error=plan["peak_bytes"] / measured_peak - 1,
+            peak_measured_as="tensors (CUDA allocator)" if mesh.device.type == "cuda" else "RSS",
+        )
     summary = {
         "recipe": cfg.recipe,
         "mesh": {"dp_replicate": mesh.dp_replicate, "dp_shard": mesh.dp_shard, "tp": mesh.tp},
@@ -322,12 +365,22 @@ def _train(cfg: JobConfig, mesh: Mesh) -> dict:
         "val": evals,
         "val_loss": evals[-1]["loss"] if evals else None,
         "val_ppl": evals[-1]["ppl"] if evals else None,
+        "plan": plan,
     }
     if main:
         with open(os.path.join(run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         print(format_summary(summary), flush=True)
     return summary
+
+
+def _plan_line(p: dict) -> str:
+    return (
+        f"  planned        {p['step_s']:.3g} s/step ({p['step_error']:+.0%} of the measured "
+        f"{p['measured_step_s']:.3g}), {p['peak_bytes'] / 2**30:.3g} GiB/rank ("
+        f"{p['peak_error']:+.0%} of the measured {p['measured_peak_bytes'] / 2**30:.3g}, "
+        f"{p['peak_measured_as']})"
+    )
 
 
 def format_summary(s: dict) -> str:
@@ -351,6 +404,7 @@ def format_summary(s: dict) -> str:
                 else []
             ),
             f"  tokens/s       {s['tokens_per_s']:,.0f}",
+            *([_plan_line(s["plan"])] if "step_error" in s.get("plan", {}) else []),
             f"  time           {s['time_s']:.1f} s",
             f"  peak MiB/rank  {peaks}",
             f"  run dir        {s['run_dir']}",

@@ -1,0 +1,67 @@
+"""The planner at the start of a run: the profile of the machine it launched on, the prediction
+for the launched configuration, and `parallel.plan=auto` (take the best plan for this world)."""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid2d.config import ConfigError, JobConfig
+from hybrid2d.planner import hardware as profiles
+from hybrid2d.planner.hardware import Hardware
+from hybrid2d.planner.model import Candidate, predict
+from hybrid2d.planner.search import best_plan
+from hybrid2d.profiling.estimate import MeshShape
+
+# What parallel.plan=auto chooses; setting one of these on the command line as well is an error.
+PLANNED = (
+    "parallel.dp_replicate",
+    "parallel.dp_shard",
+    "parallel.tp",
+    "parallel.activation_checkpoint",
+    "train.micro_batch",
+)
+_GPU_NAMES = (("H200", "h200"), ("H100", "h100"), ("B200", "b200"), ("A100", "a100-80gb"))
+
+
+def profile_for(setting: str, device_type: str) -> Hardware:
+    """parallel.plan_hardware: a preset name, a profile JSON file (tools/plan.py --calibrate),
+    or "" for this machine: the preset matching the CUDA device's name (its memory as the
+    device reports it), else the rough CPU guess."""
+    if setting.endswith(".json"):
+        return profiles.load(setting)
+    if setting:
+        return profiles.get(setting)
+    if device_type != "cuda":
+        return profiles.get("cpu")
+    name = torch.cuda.get_device_name()
+    preset = next((p for key, p in _GPU_NAMES if key in name), "h100")
+    hw = profiles.get(preset)
+    hw.memory_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return hw
+
+
+def prediction(cfg: JobConfig, mesh: MeshShape, hw: Hardware, per_node: int) -> Candidate:
+    """The planner's figures for exactly this configuration."""
+    return predict(cfg, mesh, hw, gpus_per_node=max(per_node, mesh.tp))
+
+
+def apply_auto_plan(
+    cfg: JobConfig, world: int, per_node: int, hw: Hardware, set_on_cli: set[str]
+) -> str:
+    """parallel.plan=auto: set mesh, checkpointing and micro batch from the best plan for
+    `world` ranks; one line saying what was taken (ConfigError when nothing fits)."""
+    both = sorted(name for name in PLANNED if name in set_on_cli)
+    if both:
+        raise ConfigError(
+            f"parallel.plan=auto chooses {', '.join(both)}; drop --{' --'.join(both)} or use "
+            "parallel.plan=manual"
+        )
+    best = best_plan(cfg, world, min(per_node, world), hw)
+    p = cfg.parallel
+    p.dp_replicate, p.dp_shard, p.tp = best.dp_replicate, best.dp_shard, best.tp
+    p.activation_checkpoint, cfg.train.micro_batch = best.activation_checkpoint, best.micro_batch
+    return (
+        f"plan auto ({hw.name}): dp_replicate={best.dp_replicate} x dp_shard={best.dp_shard} x "
+        f"tp={best.tp}, {best.activation_checkpoint} checkpointing, micro batch "
+        f"{best.micro_batch}"
+    )

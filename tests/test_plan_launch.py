@@ -1,0 +1,76 @@
+"""The planner inside a run: the prediction beside the measurement, and parallel.plan=auto."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hybrid2d import recipes
+from hybrid2d.config import ConfigError
+from hybrid2d.planner.launch import apply_auto_plan, profile_for
+from hybrid2d.planner.search import best_plan
+from tests.launch import REPO, launcher_env
+
+
+def test_auto_plan_takes_the_best_plan():
+    hw = profile_for("h100", "cpu")
+    cfg = recipes.get("llama3.1-8b")
+    line = apply_auto_plan(cfg, 8, 8, hw, set())
+    best = best_plan(recipes.get("llama3.1-8b"), 8, 8, hw)
+    p = cfg.parallel
+    assert (p.dp_replicate, p.dp_shard, p.tp) == (best.dp_replicate, best.dp_shard, best.tp)
+    assert (p.activation_checkpoint, cfg.train.micro_batch) == (
+        best.activation_checkpoint,
+        best.micro_batch,
+    )
+    assert f"tp={best.tp}" in line and f"micro batch {best.micro_batch}" in line
+    cfg.validate(8)
+
+
+def test_auto_plan_refuses_settings_it_would_override():
+    cfg = recipes.get("llama3.1-8b")
+    with pytest.raises(ConfigError, match="parallel.plan=auto chooses parallel.tp"):
+        apply_auto_plan(cfg, 8, 8, profile_for("h100", "cpu"), {"parallel.tp"})
+
+
+def test_unknown_profile_is_one_error_line():
+    proc = subprocess.run(
+        [sys.executable, "recipes/llama.py", "--parallel.plan_hardware", "h1000"],
+        cwd=REPO,
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: parallel.plan_hardware='h1000'")
+
+
+@pytest.mark.slow
+def test_run_prints_and_records_prediction_and_measurement(tmp_path):
+    cmd = [
+        sys.executable,
+        str(REPO / "recipes/llama.py"),
+        "--parallel.plan",
+        "auto",
+        "--train.steps",
+        "8",
+        "--checkpoint.save_final",
+        "false",
+        "--metrics.progress_bar",
+        "false",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=launcher_env(), capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "plan auto (cpu): dp_replicate=1 x dp_shard=1 x tp=1" in proc.stdout
+    assert "plan (cpu profile): predicted" in proc.stdout
+    assert "  planned        " in proc.stdout
+    summary = json.loads(next(tmp_path.glob("runs/*/summary.json")).read_text())
+    plan = summary["plan"]
+    assert plan["hardware"] == "cpu" and plan["step_s"] > 0 and plan["peak_bytes"] > 0
+    assert plan["measured_peak_bytes"] == max(summary["peak_memory_bytes_per_rank"])
+    assert plan["step_error"] == pytest.approx(plan["step_s"] / plan["measured_step_s"] - 1)
