@@ -1,0 +1,52 @@
+"""Async checkpoint writes that fail: never lost, never published.
+
+- A write that raises (a full disk) on one rank ends every rank with a non-zero exit naming
+  the error, at the latest when the run closes; the step is not published and no summary
+  claims the run finished.
+- A rank killed inside its background write of step 10 ends the job; `resume auto` goes on
+  from step 5, the last published checkpoint, and ends with the uninterrupted run's losses.
+"""
+
+import pytest
+
+from hybrid2d.checkpoint import layout
+from tests.test_checkpoint_runs import args_for, assert_close, steps_in, summary, train
+
+pytestmark = pytest.mark.slow
+
+WORKER = "tests/workers/paths_failing_writer.py"
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("async-cache"))
+
+
+def async_args(cache, run, steps):
+    return args_for(cache, run, dp=1, tp=2, every=5, async_save="true", train__steps=steps)
+
+
+def test_a_failing_async_write_is_an_error_on_every_rank(cache, tmp_path):
+    run = tmp_path / "run"
+    # Steps 6-8 train while step 5 is being written; the failure surfaces at the end.
+    results = train(2, async_args(cache, run, 8), f"{WORKER} raise 5 1", ok=False)
+    assert [r.returncode != 0 for r in results] == [True, True], [r.returncode for r in results]
+    for r in results:
+        assert "injected write failure of step 5" in r.stderr, r.stderr[-3000:]
+    assert steps_in(run) == [] and not layout.final_dir(run, 5).exists()
+    assert not (run / "summary.json").exists()
+
+
+def test_a_rank_killed_in_its_async_write_resumes_from_the_previous_checkpoint(cache, tmp_path):
+    straight = tmp_path / "straight"
+    train(2, async_args(cache, straight, 15))
+    run = tmp_path / "run"
+    args = async_args(cache, run, 15) + ["--parallel.timeout_s", "30"]
+    results = train(2, args, f"{WORKER} kill 10 1", ok=False)
+    assert results[1].returncode == -9 and results[0].returncode != 0
+    assert steps_in(run) == [5]
+    train(2, async_args(cache, run, 15) + ["--checkpoint.resume", "auto"])
+    r = summary(run)
+    assert r["resumed_from"] == str(layout.final_dir(run, 5)) and r["steps"] == 15
+    assert_close(r["losses"], summary(straight)["losses"][5:], rtol=0)
+    assert steps_in(run) == [5, 10, 15]
