@@ -1,5 +1,6 @@
 """SIGUSR1 in a real 2-rank run: sent to one rank only, every rank saves a checkpoint at the
-same step and the job exits 0; the next launch resumes from it."""
+same step and the job exits 0; the next launch resumes from it. The same while an async save
+is still being written: that save is finished and published, then the current step is saved."""
 
 import json
 import os
@@ -89,3 +90,52 @@ def test_sigusr1_to_one_rank_saves_the_current_step_and_exits_0(stopped_run):
 )
 def test_summary_says_preempted_when_another_rank_got_the_signal(stopped_run):
     assert stopped_run[3]["preempted"]
+
+
+def test_sigusr1_during_an_async_save_finishes_it_saves_the_current_step_and_exits_0(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = torchrun(
+        2,
+        "tests/workers/paths_held_writer.py",
+        "50",
+        *SMALL,
+        "--data.cache_dir",
+        str(tmp_path / "cache"),
+        "--parallel.tp",
+        "2",
+        "--train.steps",
+        str(STEPS),
+        "--checkpoint.every",
+        "50",
+        "--checkpoint.async_save",
+        "true",
+        "--metrics.run_dir",
+        str(run_dir),
+        "--parallel.timeout_s",
+        "30",
+    )
+    env = launcher_env(PYTHONPATH=str(REPO))
+    job = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        line = ""
+        while "holding the write of step 50" not in line:  # the event: the save is in flight
+            line = job.stdout.readline()
+            assert line or job.poll() is None, job.stderr.read()[-3000:]
+        os.kill(_rank_pid(job.pid, rank=1), signal.SIGUSR1)
+        out, err = job.communicate(timeout=300)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode == 0, err[-4000:]
+    assert "released without a stop request" not in out  # the signal came during the write
+    summary = json.loads((run_dir / "summary.json").read_text())
+    stopped = summary["steps"]
+    assert 50 <= stopped < 90, summary
+    assert [c["step"] for c in summary["checkpoints"]] == sorted({50, stopped})
+    latest = run_dir / "checkpoints" / "latest"
+    assert latest.read_text().strip() == f"step-{stopped:07d}"
+    assert (run_dir / "checkpoints" / "step-0000050").is_dir()
+    assert f"saved a checkpoint at step {stopped}" in out
