@@ -25,6 +25,14 @@ def test_reshard_after_forward_false_matches_single_process(tmp_path):
     assert got["shm"]["dp"] == 6, got["shm"]
 
 
+def test_compiled_blocks_match_single_process(tmp_path):
+    """parallel.compile: each block under torch.compile (inductor on CPU), to the same 1e-5 as
+    the eager meshes (compiled kernels fuse fp32 arithmetic, but not beyond that)."""
+    ref = train_single_process(tiny_config("sgd", 0.5))
+    got = run_parallel(tmp_path, 2, 2, "sgd", 0.5, settings=["--parallel.compile", "true"])
+    assert_matches(got, ref)
+
+
 @pytest.mark.parametrize("dp,tp", [(2, 2), (1, 4)], ids=["dp2xtp2", "dp1xtp4"])
 def test_tied_embeddings_match_single_process(tmp_path, dp, tp):
     """One weight for the vocab-parallel embedding and head (llama3.2-1b ties them): its
