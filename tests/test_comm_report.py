@@ -5,7 +5,6 @@ import json
 
 import pytest
 
-from hybrid2d.trainer import Trainer
 from tests.launch import check_ok, run_ranks
 from tests.reference import tiny_config
 
@@ -82,15 +81,9 @@ def expected(dp: int, tp: int, micro: int) -> dict:
             (m.n_layers * block_bytes + root_bytes) * n_micro,
         )
     if dp * tp > 1:
-        # The squared global grad norm (float64) over the world; with dp > 1 the logged loss
-        # (fp32) over dp, and, once the trainer counts the global batch's loss tokens, that
-        # count (int64) over dp.
-        count, nbytes = 1, 8
-        if dp > 1:
-            count, nbytes = count + 1, nbytes + F32
-            if hasattr(Trainer, "global_loss_tokens"):
-                count, nbytes = count + 1, nbytes + 8
-        out["scalar_all_reduce"] = (count, nbytes)
+        # The squared global grad norm (float64) over the world; with dp > 1 also the global
+        # batch's loss-token count (int64) and the logged loss (fp32) over dp.
+        out["scalar_all_reduce"] = (3, 8 + 8 + F32) if dp > 1 else (1, 8)
     return out
 
 
