@@ -9,6 +9,8 @@ the hung rank never reaches, so torchrun's SIGKILL comes after its 30 s grace. T
 is only a hang guard.
 """
 
+import os
+import signal
 import subprocess
 import time
 
@@ -43,8 +45,14 @@ def hung_job(tmp_path_factory):
         str(TIMEOUT_S),
     )
     env = launcher_env(PYTHONPATH=str(REPO))
-    job = subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    job = subprocess.Popen(  # its own process group: the guard below ends the hung rank too
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     try:
         line = ""
@@ -56,7 +64,7 @@ def hung_job(tmp_path_factory):
         print(f"job ended {time.monotonic() - hung_at:.1f} s after the hang")
     finally:
         if job.poll() is None:
-            job.kill()
+            os.killpg(job.pid, signal.SIGKILL)
             job.wait()
     return job.returncode, [ln for ln in err.splitlines() if "timed out" in ln]
 
