@@ -467,7 +467,8 @@ class _Transport:
                 deadline = now + self.pg._timeout_s
             if now >= deadline:
                 self.fail(
-                    f"rank {self.pg._global_rank}: shared-memory collective {g} timed out after "
+                    f"rank {self.pg._global_rank}: shared-memory collective {g} "
+                    f"({_describe_call(expected[1:5])}) timed out after "
                     f"{self.pg._timeout_s:.0f} s waiting for group ranks {behind} "
                     f"(ranks {[self.pg._global_ranks[q] for q in behind]})"
                 )
@@ -498,17 +499,10 @@ class _Transport:
             seen = self.lines.unpack_from(self.seg.mm, offset)
 
     def mismatch(self, g: int, expected: tuple, seen: tuple, q: int) -> str:
-        def call(fields):
-            kind, code, numel, grow = fields
-            op = _OP_NAMES.get(kind, f"op {kind}")
-            dtype = (
-                str(_DTYPES[code - 1]).removeprefix("torch.") if 0 < code <= len(_DTYPES) else code
-            )
-            return f"{op} {dtype}[{numel}]" + (" (growing)" if grow else "")
-
+        theirs = _describe_call(seen[5 * q + 1 : 5 * q + 5])
         return (
             f"rank {self.pg._global_rank}: shared-memory collective {g} mismatch: this rank "
-            f"{call(expected[1:5])}, group rank {q} {call(seen[5 * q + 1 : 5 * q + 5])}"
+            f"{_describe_call(expected[1:5])}, group rank {q} {theirs}"
         )
 
     def fail(self, message: str):
@@ -538,6 +532,14 @@ class _Transport:
                 pass
         self.peer_fds = []
         self.seg.close()
+
+
+def _describe_call(fields) -> str:
+    """(op, dtype code, numel, grow) of a slot header as "all_gather float32[1024]"."""
+    kind, code, numel, grow = fields
+    op = _OP_NAMES.get(kind, f"op {kind}")
+    dtype = str(_DTYPES[code - 1]).removeprefix("torch.") if 0 < code <= len(_DTYPES) else code
+    return f"{op} {dtype}[{numel}]" + (" (growing)" if grow else "")
 
 
 def _on_error(reason: str | None) -> str:

@@ -360,7 +360,7 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
         "run_dir": run_dir,
         "resumed_from": None if resume_from is None else str(resume_from),
         "checkpoints": ckpt.saved,
-        "preempted": preemption.signal_name is not None,
+        "preempted": preemption.stopping,  # a signal on any rank stopped the run
         "data": {"kind": data.kind, **{k: v for k, v in data.stats.items() if k != "train_stats"}},
         "val": evals,
         "val_loss": evals[-1]["loss"] if evals else None,

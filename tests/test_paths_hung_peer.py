@@ -76,12 +76,6 @@ def test_a_hung_peer_ends_the_job_with_a_timeout_naming_it(hung_job):
     assert f"timed out after {TIMEOUT_S} s" in timeouts[0] and "ranks [1]" in timeouts[0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="shm_backend.py's timeout error names the collective's generation number "
-    "('shared-memory collective 61'), not which collective (all_gather / reduce_scatter / "
-    "all_reduce), though its slot header holds the op",
-)
 def test_the_timeout_error_names_the_collective(hung_job):
     _, timeouts = hung_job
     assert any(op in timeouts[0] for op in ("all_gather", "reduce_scatter", "all_reduce"))

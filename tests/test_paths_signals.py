@@ -82,12 +82,6 @@ def test_sigusr1_to_one_rank_saves_the_current_step_and_exits_0(stopped_run):
     assert resumed["steps"] == stopped + 2 and len(resumed["losses"]) == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="trainer.py writes summary['preempted'] = preemption.signal_name is not None, which "
-    "is rank 0's own signal only; a stop on another rank's signal (preemption.stopping) is "
-    "summarised as not preempted",
-)
 def test_summary_says_preempted_when_another_rank_got_the_signal(stopped_run):
     assert stopped_run[3]["preempted"]
 
