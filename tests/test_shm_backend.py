@@ -114,8 +114,8 @@ def test_late_and_dead_peers(tmp_path):
     check_ok(run_ranks(3, [WORKER, "dead", str(tmp_path / "dead.json")], timeout=120))
     report = _report(tmp_path, "dead.json")
     assert report["timeout"] == (
-        "rank 0: shared-memory collective 1 timed out after 3 s waiting for group ranks [2] "
-        "(ranks [2])"
+        "rank 0: shared-memory collective 1 (all_reduce float32[4]) timed out after 3 s waiting "
+        "for group ranks [2] (ranks [2])"
     )
     assert 2.9 < report["timeout_after_s"] < 5
     pid = report["pids"][2]
