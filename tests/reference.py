@@ -45,11 +45,8 @@ def global_batches(cfg: JobConfig, seed: int = 11):
         yield tokens[:, :-1], tokens[:, 1:]
 
 
-def train_single_process(cfg: JobConfig) -> dict:
-    """Plain PyTorch: one model, torch.optim, torch.nn.utils.clip_grad_norm_."""
-    t = cfg.train
-    model = Llama(cfg.model)
-    model.init_weights(t.seed)
+def reference_optimizer(model, t):
+    """torch.optim's SGD or AdamW (decay on matrices only) and the trainer's LR schedule."""
     if t.optimizer == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=t.lr)
     else:
@@ -64,7 +61,15 @@ def train_single_process(cfg: JobConfig) -> dict:
             betas=(t.beta1, t.beta2),
             eps=1e-8,
         )
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(s, t))
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(s, t))
+
+
+def train_single_process(cfg: JobConfig) -> dict:
+    """Plain PyTorch: one model, torch.optim, torch.nn.utils.clip_grad_norm_."""
+    t = cfg.train
+    model = Llama(cfg.model)
+    model.init_weights(t.seed)
+    opt, sched = reference_optimizer(model, t)
     losses, norms = [], []
     for inputs, labels in global_batches(cfg):
         loss = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten())
@@ -111,21 +116,7 @@ def train_single_process_masked(cfg: JobConfig, batches, val=None) -> dict:
     t = cfg.train
     model = Llama(cfg.model)
     model.init_weights(t.seed)
-    if t.optimizer == "sgd":
-        opt = torch.optim.SGD(model.parameters(), lr=t.lr)
-    else:
-        matrices = [p for p in model.parameters() if p.ndim >= 2]
-        vectors = [p for p in model.parameters() if p.ndim < 2]
-        opt = torch.optim.AdamW(
-            [
-                {"params": matrices, "weight_decay": t.weight_decay},
-                {"params": vectors, "weight_decay": 0.0},
-            ],
-            lr=t.lr,
-            betas=(t.beta1, t.beta2),
-            eps=1e-8,
-        )
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(s, t))
+    opt, sched = reference_optimizer(model, t)
     losses, norms = [], []
     for inputs, labels in batches:
         loss = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten(), ignore_index=-100)
