@@ -181,10 +181,6 @@ class Trainer:
         dist.all_reduce(value, group=self.mesh.dp_mesh.get_group())
         return value.item()
 
-    def dp_mean(self, value: torch.Tensor) -> float:
-        """Average over data-parallel ranks (tp ranks of a dp group already agree)."""
-        return self.dp_sum(value) / self.mesh.dp
-
 
 # ---- the whole run --------------------------------------------------------------------------
 
