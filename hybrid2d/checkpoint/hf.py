@@ -22,14 +22,23 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from hybrid2d.checkpoint.hf_safetensors import CheckpointError, HFCheckpoint
-from hybrid2d.checkpoint.reader import read_saved_block, saved_tensor
+from hybrid2d.checkpoint.reader import (
+    expected_model_shapes,
+    model_entries,
+    model_keys,
+    read_metadata,
+    read_saved_block,
+    saved_tensor,
+)
 from hybrid2d.config import JobConfig, ModelConfig
-from hybrid2d.models.llama import Llama, rope_inv_freq
+from hybrid2d.models.llama import rope_inv_freq
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -214,16 +223,11 @@ def check_model_config(ckpt: ModelConfig, model: ModelConfig, source: str, what:
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF parameter name -> shape for this config, in the model's order. With tied embeddings
-    lm_head.weight is left out (it is model.embed_tokens.weight)."""
-
-    with torch.device("meta"):
-        model = Llama(cfg)
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
-
-
-def optional_names(cfg: ModelConfig) -> set[str]:
-    """Names a checkpoint may hold beyond expected_shapes (lm_head.weight when tied)."""
-    return {"lm_head.weight"} if cfg.tie_embeddings else set()
+    lm_head.weight is left out (it is model.embed_tokens.weight; a checkpoint may hold it)."""
+    shapes = expected_model_shapes(cfg)
+    if cfg.tie_embeddings:
+        del shapes["lm_head.weight"]
+    return shapes
 
 
 def check_tensor_names(
@@ -242,12 +246,11 @@ def check_tensor_names(
                 f"{where}: tensor {name} has shape {list(found[name])} but {what} implies "
                 f"{list(shape)}"
             )
-    extra_ok = optional_names(cfg)
     names = []
     for name, shape in found.items():
         if name in want:
             names.append(name)
-        elif name in extra_ok and tuple(shape) == want["model.embed_tokens.weight"]:
+        elif name == "lm_head.weight" and tuple(shape) == want["model.embed_tokens.weight"]:
             names.append(name)
         elif not name.endswith(IGNORED_SUFFIXES):
             raise CheckpointError(
@@ -399,45 +402,18 @@ def load_hf(model: nn.Module, path: str, source: str | None = None) -> LoadRepor
 # ---- DCP ("model" entry only) ----------------------------------------------------------------
 
 
-def read_dcp_model_metadata(path: str, where: str) -> dict[str, tuple[tuple[int, ...], object]]:
-    """HF name -> (shape, dtype) of the tensors under the "model" entry of a DCP checkpoint."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{where}: {path} is not a directory")
-    if not os.path.isfile(os.path.join(path, ".metadata")):
-        entries = sorted(os.listdir(path))
-        hint = f" (found {', '.join(entries[:5])})" if entries else " (it is empty)"
-        raise CheckpointError(
-            f"{where}: {path} has no .metadata{hint}; point at a DCP checkpoint directory, "
-            "e.g. a training checkpoint's step directory"
-        )
-    try:
-        md = FileSystemReader(path).read_metadata()
-    except Exception as e:  # noqa: BLE001 - pickle raises anything on a corrupt file
-        raise CheckpointError(f"{where}: cannot read {path}/.metadata ({e!r})") from None
-    mapping = md.planner_data or {}
-    out = {}
-    for key, item in md.state_dict_metadata.items():
-        parts = mapping.get(key)
-        if parts is not None:
-            if len(parts) != 2 or parts[0] != "model":
-                continue
-            name = parts[1]
-        elif key.startswith("model."):
-            name = key[len("model.") :]
-        else:
-            continue
-        if not isinstance(item, TensorStorageMetadata):
-            raise CheckpointError(f"{where}: model entry {name} is not a tensor")
-        out[name] = (tuple(item.size), item.properties.dtype)
-    if not out:
+def read_dcp_model_metadata(
+    path: str, where: str
+) -> tuple[Metadata, dict[str, TensorStorageMetadata]]:
+    """The metadata of a DCP checkpoint and its "model" entry's tensors (HF name -> metadata)."""
+    meta = read_metadata(Path(path))
+    entries = model_entries(meta)
+    if not entries:
         raise CheckpointError(
             f"{where}: {path} has no 'model' entry; expected a checkpoint saved as "
             "{'model': {<HF names>: tensors}, ...}"
         )
-    return out
+    return meta, entries
 
 
 def read_saved_model_config(path: str) -> ModelConfig | None:
@@ -455,28 +431,16 @@ def read_saved_model_config(path: str) -> ModelConfig | None:
     return JobConfig.from_dict({"model": data["model"]}).model
 
 
-def check_dcp_source(path: str, cfg: ModelConfig, source: str) -> list[str]:
+def check_dcp_source(
+    path: str, cfg: ModelConfig, source: str
+) -> tuple[Metadata, dict[str, TensorStorageMetadata]]:
     where = f"checkpoint.init_from={source}"
-    found = read_dcp_model_metadata(path, where)
+    meta, found = read_dcp_model_metadata(path, where)
     saved = read_saved_model_config(path)
     if saved is not None:
         check_model_config(saved, cfg, source, "config.json model")
-    names = check_tensor_names({n: s for n, (s, _) in found.items()}, cfg, where, "the model")
-    return names
-
-
-def _dcp_model_keys(md) -> dict[str, str]:
-    """HF name -> DCP flattened key of the "model" entry's tensors."""
-    mapping = md.planner_data or {}
-    out = {}
-    for key in md.state_dict_metadata:
-        parts = mapping.get(key)
-        if parts is not None:
-            if len(parts) == 2 and parts[0] == "model":
-                out[parts[1]] = key
-        elif key.startswith("model."):
-            out[key[len("model.") :]] = key
-    return out
+    check_tensor_names({n: tuple(t.size) for n, t in found.items()}, cfg, where, "the model")
+    return meta, found
 
 
 @torch.no_grad()
@@ -489,23 +453,19 @@ def load_dcp(model: nn.Module, path: str, source: str | None = None) -> LoadRepo
     checkpoints written with storage transforms (compression) are the only ones loaded through
     dcp.load, which reads whole chunks.
     """
-    from torch.distributed.checkpoint import FileSystemReader
-
     source = source or f"dcp:{path}"
     start = time.perf_counter()
-    check_dcp_source(path, model.cfg, source)
-    md = FileSystemReader(path).read_metadata()
+    md, entries = check_dcp_source(path, model.cfg, source)
     params = dict(model.named_parameters())  # tied: only model.embed_tokens.weight
     if any(info.transform_descriptors for info in md.storage_data.values()):
         return _load_dcp_whole(model, path, source, params, start)
-    keys = _dcp_model_keys(md)
+    keys = model_keys(md)
     storage = {(i.fqn, tuple(i.offset)): info for i, info in md.storage_data.items()}
     report = LoadReport(source)
     files: dict[str, object] = {}
     try:
         for name, param in params.items():
-            fqn = keys[name]
-            tmd = md.state_dict_metadata[fqn]
+            fqn, tmd = keys[name], entries[name]
             offsets, sizes = local_block(param)
             local = _local(param)
             for chunk in tmd.chunks:

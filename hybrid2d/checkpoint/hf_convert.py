@@ -23,6 +23,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -44,6 +45,7 @@ from hybrid2d.checkpoint.hf_safetensors import (
     plan_shards,
     write_safetensors,
 )
+from hybrid2d.checkpoint.reader import iter_model_tensors
 from hybrid2d.config import JobConfig, ModelConfig
 
 HF_CONFIG_COPY = "hf_config.json"  # the source's HF config.json, kept verbatim in a DCP dir
@@ -275,7 +277,7 @@ def convert_hf_to_dcp(
 # ---- DCP -> HF -------------------------------------------------------------------------------
 
 
-def _export_hf_config(src: str, found: dict) -> tuple[ModelConfig, dict | None]:
+def _export_hf_config(src: str) -> tuple[ModelConfig, dict | None]:
     """(model config, source HF config.json or None) for a DCP directory."""
     hf_path = os.path.join(src, HF_CONFIG_COPY)
     saved = read_saved_model_config(src)
@@ -310,34 +312,27 @@ def convert_dcp_to_hf(
 ) -> Summary:
     """Write SRC's "model" entry as size-capped safetensors shards, an index, config.json and
     the tokenizer files found in SRC."""
-    import torch.distributed.checkpoint as dcp
-
-    found = read_dcp_model_metadata(src, src)
-    cfg, hf = _export_hf_config(src, found)
-    names = check_tensor_names({n: s for n, (s, _) in found.items()}, cfg, src, "config.json")
+    meta, found = read_dcp_model_metadata(src, src)
+    cfg, hf = _export_hf_config(src)
+    names = check_tensor_names({n: tuple(t.size) for n, t in found.items()}, cfg, src)
     if cfg.tie_embeddings:
         names = [n for n in names if n != "lm_head.weight"]  # HF omits the tied head
 
     def target(name: str) -> torch.dtype:
-        d = found[name][1]
+        d = found[name].properties.dtype
         return dtype if dtype is not None and d.is_floating_point else d
 
-    specs = [TensorSpec(n, target(n), tuple(found[n][0])) for n in names]
+    specs = [TensorSpec(n, target(n), tuple(found[n].size)) for n in names]
     shards = plan_shards(specs, max_shard_bytes)
     tmp = _prepare_dst(dst)
     total = sum(s.nbytes for s in specs)
     summary = Summary(tensors=len(specs), bytes=total)
     summary.largest_tensor = max(s.nbytes for s in specs)
     bar = _progress(total, "dcp -> hf", progress)
-    reader = dcp.FileSystemReader(src)
+    tensors = iter_model_tensors(Path(src), meta, names)  # in the order the shards ask for them
 
     def produce(spec: TensorSpec) -> torch.Tensor:
-        shape, stored = found[spec.name]
-        out = torch.empty(shape, dtype=stored)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to load")
-            dcp.load({"model": {spec.name: out}}, storage_reader=reader, no_dist=True)
-        out = out.to(spec.dtype)
+        out = next(tensors)[1].to(spec.dtype)
         if bar is not None:
             bar.update(spec.nbytes)
         return out

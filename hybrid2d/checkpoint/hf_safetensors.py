@@ -145,11 +145,8 @@ class SafetensorsFile:
         self.close()
 
     def read(self, name: str) -> torch.Tensor:
-        info = self.tensors[name]
-        out = torch.empty(info.shape, dtype=info.dtype)
-        _read_exact(self._f, info.start, _byte_view(out), f"{self.path}: {name}")
-        self.bytes_read += info.nbytes
-        return out
+        shape = self.tensors[name].shape
+        return self.read_slice(name, (0,) * len(shape), shape)
 
     def read_slice(self, name: str, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
         """The block [offsets, offsets + sizes) of a tensor, reading only its bytes."""
@@ -160,28 +157,40 @@ class SafetensorsFile:
         for o, s, n in zip(offsets, sizes, shape, strict=True):
             if o < 0 or s < 0 or o + s > n:
                 raise ValueError(f"{name}: slice {list(offsets)}+{list(sizes)} outside {shape}")
-        out = torch.empty(tuple(sizes), dtype=info.dtype)
-        if out.numel() == 0:
-            return out
-        if not shape:
-            return self.read(name)
-        item = info.dtype.itemsize
-        # Dims after `k` are taken whole, so each index over dims [:k] is one contiguous run of
-        # sizes[k] * prod(shape[k+1:]) elements.
-        k = len(shape) - 1
-        while k > 0 and sizes[k] == shape[k]:
-            k -= 1
-        strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
-        run = sizes[k] * strides[k] * item
-        view = _byte_view(out)
-        pos = 0
-        outer = [range(offsets[i], offsets[i] + sizes[i]) for i in range(k)]
-        for idx in itertools.product(*outer):
-            elem = offsets[k] * strides[k] + sum(i * s for i, s in zip(idx, strides, strict=False))
-            _read_exact(self._f, info.start + elem * item, view[pos : pos + run], name)
-            pos += run
-        self.bytes_read += pos
+        out, n = read_block(
+            self._f, info.start, info.dtype, shape, offsets, sizes, f"{self.path}: {name}"
+        )
+        self.bytes_read += n
         return out
+
+
+def read_block(
+    f, start: int, dtype: torch.dtype, shape, offsets, sizes, what: str
+) -> tuple[torch.Tensor, int]:
+    """(block [offsets, offsets + sizes) of the row-major tensor whose element 0 is at byte
+    `start` of f, bytes read): only the block's bytes, one contiguous run per row when the block
+    is narrower than the tensor. Safetensors files and DCP's chunks both store tensors so."""
+    out = torch.empty(tuple(sizes), dtype=dtype)
+    if out.numel() == 0:
+        return out, 0
+    if not shape:  # a scalar: one run of one element
+        shape, offsets, sizes = (1,), (0,), (1,)
+    item = dtype.itemsize
+    # Dims after `k` are taken whole, so each index over dims [:k] is one contiguous run of
+    # sizes[k] * prod(shape[k+1:]) elements.
+    k = len(shape) - 1
+    while k > 0 and sizes[k] == shape[k]:
+        k -= 1
+    strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+    run = sizes[k] * strides[k] * item
+    view = _byte_view(out)
+    pos = 0
+    outer = [range(offsets[i], offsets[i] + sizes[i]) for i in range(k)]
+    for idx in itertools.product(*outer):
+        elem = offsets[k] * strides[k] + sum(i * s for i, s in zip(idx, strides, strict=False))
+        _read_exact(f, start + elem * item, view[pos : pos + run], what)
+        pos += run
+    return out, pos
 
 
 class HFCheckpoint:

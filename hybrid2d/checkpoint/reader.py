@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import io
-import itertools
 import json
 import math
 import pickle
@@ -25,7 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from hybrid2d.checkpoint import layout
-from hybrid2d.checkpoint.hf_safetensors import _byte_view, _read_exact
+from hybrid2d.checkpoint.hf_safetensors import _byte_view, _read_exact, read_block
 from hybrid2d.config import ConfigError, JobConfig, ModelConfig
 from hybrid2d.models.llama import Llama
 
@@ -40,10 +39,16 @@ def first_line(e: BaseException) -> str:
 
 
 def read_metadata(path: Path) -> Metadata:
-    """The DCP metadata of a step directory; ConfigError if it is missing or unreadable."""
-    f = path / layout.METADATA
-    if not f.is_file():
-        raise ConfigError(f"{path} is not a DCP checkpoint directory: it has no {layout.METADATA}")
+    """The DCP metadata of a checkpoint directory; ConfigError if it is missing or unreadable."""
+    if not path.is_dir():
+        raise ConfigError(f"{path} is not a directory (expected a DCP checkpoint directory)")
+    if not (path / layout.METADATA).is_file():
+        found = sorted(p.name for p in path.iterdir())[:5]
+        raise ConfigError(
+            f"{path} is not a DCP checkpoint directory: it has no {layout.METADATA} (it holds "
+            f"{', '.join(found) or 'nothing'}); point at a DCP checkpoint directory, e.g. a "
+            "training checkpoint's step directory"
+        )
     try:
         meta = FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # unpickling garbage raises anything
@@ -69,14 +74,25 @@ def read_config(path: Path) -> JobConfig | None:
         ) from None
 
 
+def model_keys(meta: Metadata) -> dict[str, str]:
+    """HF key -> DCP flattened key of the entries under "model" (planner_data says which top-level
+    entry a key came from; without it, the "model." prefix does)."""
+    mapping = meta.planner_data or {}
+    out = {}
+    for key in meta.state_dict_metadata:
+        parts = mapping.get(key)
+        if parts is not None:
+            if len(parts) == 2 and parts[0] == MODEL:
+                out[parts[1]] = key
+        elif key.startswith(MODEL + "."):
+            out[key[len(MODEL) + 1 :]] = key
+    return out
+
+
 def model_entries(meta: Metadata) -> dict[str, TensorStorageMetadata]:
-    """HF key -> tensor metadata of the checkpoint's model tensors ("model.<HF key>" in DCP)."""
-    prefix = MODEL + "."
-    return {
-        k[len(prefix) :]: v
-        for k, v in meta.state_dict_metadata.items()
-        if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)
-    }
+    """HF key -> tensor metadata of the checkpoint's model tensors."""
+    entries = {name: meta.state_dict_metadata[key] for name, key in model_keys(meta).items()}
+    return {k: v for k, v in entries.items() if isinstance(v, TensorStorageMetadata)}
 
 
 def is_training_checkpoint(meta: Metadata) -> bool:
@@ -169,6 +185,7 @@ def iter_model_tensors(
                 "truncated or corrupted"
             ) from None
         yield key, tensor if dtype is None else tensor.to(dtype)
+        del tensor  # before the next one is allocated: one tensor at a time
 
 
 def cause(e: BaseException) -> str:
@@ -181,11 +198,6 @@ def cause(e: BaseException) -> str:
         if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
             return first_line(inner[0])
     return first_line(e)
-
-
-def load_model_state(path: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Every model tensor of a DCP checkpoint as full tensors (one copy of the model)."""
-    return dict(iter_model_tensors(path, dtype=dtype))
 
 
 # ---- reading only a block of a saved tensor ---------------------------------------------------
@@ -279,35 +291,15 @@ def read_saved_block(
     f, t: SavedTensor, offsets: Sequence[int], sizes: Sequence[int], where: str
 ) -> tuple[torch.Tensor, int]:
     """(block [offsets, offsets + sizes) of the saved tensor, bytes read from the file)."""
-    shape, item = t.shape, t.dtype.itemsize
-    out = torch.empty(tuple(sizes), dtype=t.dtype)
-    if out.numel() == 0:
-        return out, 0
+    shape = t.shape
     contiguous = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
-    if list(t.stride) != contiguous and math.prod(shape) > 1:
-        # Not row-major (DCP writes contiguous chunks; be safe anyway): read it whole.
-        span = sum((n - 1) * s for n, s in zip(shape, t.stride, strict=True)) + 1
-        raw = torch.empty(span, dtype=t.dtype)
-        _read_exact(f, t.start, _byte_view(raw), where)
-        full = raw.as_strided(shape, t.stride)
-        block = full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))]
-        out.copy_(block)
-        return out, span * item
-    if not shape:
-        _read_exact(f, t.start, _byte_view(out), where)
-        return out, item
-    # Dims after k are taken whole: each index over dims [:k] is one contiguous run.
-    k = len(shape) - 1
-    while k > 0 and sizes[k] == shape[k]:
-        k -= 1
-    run = sizes[k] * contiguous[k] * item
-    view = _byte_view(out)
-    pos = 0
-    outer = [range(offsets[i], offsets[i] + sizes[i]) for i in range(k)]
-    for idx in itertools.product(*outer):
-        elem = offsets[k] * contiguous[k] + sum(
-            i * s for i, s in zip(idx, contiguous, strict=False)
-        )
-        _read_exact(f, t.start + elem * item, view[pos : pos + run], where)
-        pos += run
-    return out, pos
+    if list(t.stride) == contiguous or math.prod(shape) <= 1:
+        return read_block(f, t.start, t.dtype, shape, offsets, sizes, where)
+    # Not row-major (DCP writes contiguous chunks; be safe anyway): read it whole.
+    span = sum((n - 1) * s for n, s in zip(shape, t.stride, strict=True)) + 1
+    raw = torch.empty(span, dtype=t.dtype)
+    _read_exact(f, t.start, _byte_view(raw), where)
+    block = raw.as_strided(shape, t.stride)[
+        tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
+    ]
+    return block.clone(memory_format=torch.contiguous_format), span * t.dtype.itemsize
