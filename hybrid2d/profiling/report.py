@@ -4,7 +4,8 @@ one self-contained HTML page (inline SVG charts and CSS, no scripts, no external
 A report is a list of entries, one per mesh. Each entry may hold any of: the analytic estimate
 (`estimate.Estimate.to_dict()`, for rank 0 and optionally every rank), the simulated rank
 (`simulate.simulate` result) and the measured ranks of a real run (`measure.StepMemory` dicts,
-one per rank). Missing sources are left out of the tables and charts.
+one per rank). Missing sources are left out of the tables and charts. Both formats render the
+same blocks (`_blocks`), so they always say the same; only HTML draws the charts.
 """
 
 from __future__ import annotations
@@ -14,11 +15,8 @@ import os
 from dataclasses import dataclass, field
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "communication", "peak")
-LABELS = {
-    "parameters": "parameters",
-    "gradients": "gradients",
+LABELS = {c: c for c in CATEGORIES} | {
     "optimizer": "optimizer state",
-    "activations": "activations",
     "communication": "communication buffers",
     "peak": "total (peak)",
 }
@@ -73,11 +71,33 @@ class Entry:
     def sources(self) -> list[str]:
         return [s for s in SOURCES if self.values(s) is not None]
 
+    def best(self) -> dict[str, int] | None:
+        """The figures a verdict uses: the simulation, else the estimate, else the measurement."""
+        return self.values("simulated") or self.values("estimated") or self.values("measured")
+
     def fits(self) -> bool | None:
         if self.device_memory is None:
             return None
-        best = self.values("simulated") or self.values("estimated") or self.values("measured")
-        return best["peak"] <= self.device_memory * (1 - self.headroom)
+        return self.best()["peak"] <= self.device_memory * (1 - self.headroom)
+
+    def notes(self) -> list[str]:
+        """What the estimate and the simulation say besides the figures, one line each."""
+        out = []
+        if self.estimate:
+            est = self.estimate
+            out.append(
+                f"estimated peak at: {est['peak_phase']}; micro batch {est['micro_batch']} x "
+                f"{est['micro_batches']} per step, sequence {est['seq_len']}"
+            )
+        if self.simulated:
+            s = self.simulated
+            step = f" (step {s['step_s']:.0f} s)" if "step_s" in s else ""
+            out.append(
+                f"simulated rank {s['rank']} of {s['world_size']} ({s['mixed_precision']}, "
+                f"micro batch {s['micro_batch']}): peak in {s['memory']['peak_phase']}, "
+                f"{s['wall_s']:.0f} s{step}, process peak RSS {fmt_bytes(s['rss_peak'])}"
+            )
+        return out
 
 
 @dataclass
@@ -94,68 +114,70 @@ def _diff(a: int | None, b: int | None) -> str:
     return f" ({100 * (a - b) / b:+.1f}%)"
 
 
-# ---- Markdown -----------------------------------------------------------------------------
+def _blocks(rep: Report) -> list[tuple]:
+    """The report as ("h1" | "h2" | "p", text), ("table", header, rows, css class), ("ul",
+    items) and ("chart", svg) blocks, in order."""
+    out: list[tuple] = [("h1", rep.title)]
+    if rep.summary:
+        out.append(("table", ["setting", "value"], rep.summary, ""))
+    fit = [e for e in rep.entries if e.fits() is not None]
+    if fit:
+        rows = [
+            [e.mesh, fmt_bytes(e.best()["peak"]), "yes" if e.fits() else "no", e.remedy]
+            for e in fit
+        ]
+        totals = [(e.mesh, [(s, e.values(s)["peak"]) for s in e.sources()]) for e in rep.entries]
+        out += [
+            ("h2", f"Which meshes fit in {fmt_bytes(fit[0].device_memory)} per device"),
+            ("p", f"keeping {fit[0].headroom:.0%} for the allocator and the runtime"),
+            ("table", ["mesh", "total per rank", "fits", "what would fit"], rows, "fit"),
+            ("chart", svg_grouped_bars("total per rank by mesh", totals)),
+        ]
+    for e in rep.entries:
+        vals = {s: e.values(s) for s in e.sources()}
+        ref = vals.get(e.reference()) or {}
+        rows = [
+            [LABELS[c]]
+            + [
+                fmt_bytes(v[c]) + ("" if v is ref else _diff(v[c], ref.get(c)))
+                for v in vals.values()
+            ]
+            for c in CATEGORIES
+        ]
+        by_category = [(LABELS[c], [(s, v[c]) for s, v in vals.items()]) for c in CATEGORIES]
+        out += [
+            ("h2", f"Mesh {e.mesh}"),
+            ("table", ["category (rank 0)", *vals], rows, "categories"),
+            ("chart", svg_grouped_bars(f"mesh {e.mesh}, rank 0: bytes by category", by_category)),
+        ]
+        out += [("chart", c) for c in [_per_rank_chart(e)] if c]
+        if e.measured:
+            ranks = sorted(e.measured, key=lambda m: m["rank"])
+            rows = [
+                [str(m["rank"]), *(fmt_bytes(m[c]) for c in CATEGORIES), fmt_bytes(m.get("rss"))]
+                for m in ranks
+            ]
+            out.append(("table", ["rank", *(LABELS[c] for c in CATEGORIES), "RSS"], rows, ""))
+        if e.notes():
+            out.append(("ul", e.notes()))
+    if rep.notes:
+        out += [("h2", "Notes"), ("ul", rep.notes)]
+    return out
 
 
 def markdown(rep: Report) -> str:
-    out = [f"# {rep.title}", ""]
-    if rep.summary:
-        out += ["| setting | value |", "|---|---|"]
-        out += [f"| {k} | {v} |" for k, v in rep.summary]
-        out.append("")
-    fit_rows = [e for e in rep.entries if e.fits() is not None]
-    if fit_rows:
-        mem = fit_rows[0].device_memory
-        head = fit_rows[0].headroom
-        out += [
-            f"## Which meshes fit in {fmt_bytes(mem)} per device "
-            f"(keeping {head:.0%} for the allocator and the runtime)",
-            "",
-            "| mesh | total per rank | fits | what would fit |",
-            "|---|---|---|---|",
-        ]
-        for e in fit_rows:
-            best = e.values("simulated") or e.values("estimated") or e.values("measured")
-            ok = "yes" if e.fits() else "no"
-            out.append(f"| {e.mesh} | {fmt_bytes(best['peak'])} | {ok} | {e.remedy} |")
-        out.append("")
-    for e in rep.entries:
-        srcs = e.sources()
-        out += [f"## Mesh {e.mesh} (rank 0)", ""]
-        out.append("| category | " + " | ".join(srcs) + " |")
-        out.append("|---|" + "---|" * len(srcs))
-        ref_src = e.reference()
-        ref = e.values(ref_src) if ref_src else None
-        for cat in CATEGORIES:
-            cells = []
-            for s in srcs:
-                v = e.values(s)[cat]
-                diff = _diff(v, ref[cat]) if ref is not None and s != ref_src else ""
-                cells.append(fmt_bytes(v) + diff)
-            out.append(f"| {LABELS[cat]} | " + " | ".join(cells) + " |")
-        out.append("")
-        if e.estimate:
-            est = e.estimate
-            out.append(
-                f"Estimated peak at: {est['peak_phase']}; micro batch {est['micro_batch']} x "
-                f"{est['micro_batches']}, sequence {est['seq_len']}."
-            )
-        if e.simulated:
-            s = e.simulated
-            out.append(
-                f"Simulated: rank {s['rank']} of {s['world_size']}, {s['mixed_precision']}, "
-                f"micro batch {s['micro_batch']}, peak in {s['memory']['peak_phase']}; "
-                f"{s['wall_s']:.0f} s, peak RSS {fmt_bytes(s['rss_peak'])}."
-            )
-        if e.measured:
-            out += ["", "| rank | " + " | ".join(LABELS[c] for c in CATEGORIES) + " | RSS |"]
-            out.append("|---|" + "---|" * (len(CATEGORIES) + 1))
-            for m in sorted(e.measured, key=lambda m: m["rank"]):
-                row = " | ".join(fmt_bytes(m[c]) for c in CATEGORIES)
-                out.append(f"| {m['rank']} | {row} | {fmt_bytes(m.get('rss'))} |")
-        out.append("")
-    if rep.notes:
-        out += ["## Notes", ""] + [f"- {n}" for n in rep.notes] + [""]
+    out = []
+    for kind, *args in _blocks(rep):
+        if kind == "table":
+            header, rows, _ = args
+            out += ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+            out += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
+        elif kind == "ul":
+            out += [f"- {item}" for item in args[0]]
+        elif kind != "chart":
+            out.append({"h1": "# ", "h2": "## ", "p": ""}[kind] + args[0])
+        if kind != "chart":
+            out.append("")
     return "\n".join(out)
 
 
@@ -166,23 +188,37 @@ def _esc(text) -> str:
     return html.escape(str(text), quote=True)
 
 
+def _svg(title: str, width: float, height: float, parts: list[str]) -> str:
+    return "\n".join(
+        [
+            f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" width="{width}" '
+            f'height="{height}" role="img" aria-label="{_esc(title)}">',
+            f"<title>{_esc(title)}</title>",
+            f'<text x="4" y="16" class="ct">{_esc(title)}</text>',
+            *parts,
+            "</svg>",
+        ]
+    )
+
+
+def _legend(items: list[tuple[str, str]], x: int, y: int) -> tuple[list[str], int]:
+    """A box of each (label, colour) and its label, left to right from x; and where it ended."""
+    parts = []
+    for label, color in items:
+        parts.append(f'<rect x="{x}" y="{y - 9}" width="10" height="10" fill="{color}"/>')
+        parts.append(f'<text x="{x + 14}" y="{y}">{_esc(label)}</text>')
+        x += 28 + 7 * len(label)
+    return parts, x
+
+
 def svg_grouped_bars(title: str, groups: list[tuple[str, list[tuple[str, float]]]]) -> str:
     """Horizontal bars: one group per label, one bar per (series, value)."""
     bar, gap, left, width = 14, 10, 170, 460
     vmax = max((v for _, bars in groups for _, v in bars), default=1) or 1
     rows = sum(len(b) for _, b in groups)
     height = 40 + rows * bar + len(groups) * gap + 30
-    series = []
-    for _, bars in groups:
-        for s, _ in bars:
-            if s not in series:
-                series.append(s)
-    parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" width="{left + width + 120}" '
-        f'height="{height}" role="img" aria-label="{_esc(title)}">',
-        f"<title>{_esc(title)}</title>",
-        f'<text x="4" y="16" class="ct">{_esc(title)}</text>',
-    ]
+    series = list(dict.fromkeys(s for _, bars in groups for s, _ in bars))
+    parts = []
     y = 30
     for label, bars in groups:
         parts.append(
@@ -202,14 +238,8 @@ def svg_grouped_bars(title: str, groups: list[tuple[str, list[tuple[str, float]]
             )
             y += bar
         y += gap
-    x = left
-    for s in series:
-        color = COLORS.get(s, "#888")
-        parts.append(f'<rect x="{x}" y="{height - 18}" width="10" height="10" fill="{color}"/>')
-        parts.append(f'<text x="{x + 14}" y="{height - 9}">{_esc(s)}</text>')
-        x += 14 + 8 * len(s) + 16
-    parts.append("</svg>")
-    return "\n".join(parts)
+    parts += _legend([(s, COLORS.get(s, "#888")) for s in series], left, height - 9)[0]
+    return _svg(title, left + width + 120, height, parts)
 
 
 def svg_stacked_bars(
@@ -223,12 +253,7 @@ def svg_stacked_bars(
     legend_w = sum(28 + 7 * len(LABELS[c]) for c in STACKED) + (140 if marks else 0)
     width = left + n * (bw + 4) + 20
     height = top + plot_h + 60
-    svg_w = max(width, left + legend_w)
     parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" width="{svg_w}" '
-        f'height="{height}" role="img" aria-label="{_esc(title)}">',
-        f"<title>{_esc(title)}</title>",
-        f'<text x="4" y="16" class="ct">{_esc(title)}</text>',
         f'<line x1="{left}" y1="{top + plot_h}" x2="{width - 10}" y2="{top + plot_h}" '
         'stroke="#444"/>',
         f'<text x="{left - 4}" y="{top + 8}" text-anchor="end" class="v">'
@@ -258,21 +283,31 @@ def svg_stacked_bars(
                 f'<text x="{x + bw / 2:.1f}" y="{top + plot_h + 14}" text-anchor="middle" '
                 f'class="v">{_esc(label)}</text>'
             )
-    x = left
-    for cat in STACKED:
-        parts.append(
-            f'<rect x="{x}" y="{height - 22}" width="10" height="10" fill="{COLORS[cat]}"/>'
-        )
-        parts.append(f'<text x="{x + 14}" y="{height - 13}">{_esc(LABELS[cat])}</text>')
-        x += 14 + 7 * len(LABELS[cat]) + 14
+    legend, x = _legend([(LABELS[c], COLORS[c]) for c in STACKED], left, height - 13)
+    parts += legend
     if marks:
         parts.append(
             f'<line x1="{x}" y1="{height - 17}" x2="{x + 12}" y2="{height - 17}" '
             f'stroke="{COLORS["estimated"]}" stroke-width="3"/>'
         )
         parts.append(f'<text x="{x + 16}" y="{height - 13}">estimated peak</text>')
-    parts.append("</svg>")
-    return "\n".join(parts)
+    return _svg(title, max(width, left + legend_w), height, parts)
+
+
+def _per_rank_chart(e: Entry) -> str | None:
+    """Each rank's peak by category (measured, else estimated), the estimate's peak marked."""
+    if e.measured:
+        src = "measured"
+        bars = [(str(m["rank"]), m.get("peak_breakdown") or {}) for m in e.measured]
+        bars.sort(key=lambda b: int(b[0]))
+    else:
+        src = "estimated"
+        bars = [(str(est["rank"]), est["phases"][est["peak_phase"]]) for est in e.estimate_per_rank]
+    if not bars:
+        return None
+    marks = {str(est["rank"]): est["peak"] for est in e.estimate_per_rank}
+    bars, marks = group_identical_ranks(bars, marks)
+    return svg_stacked_bars(f"mesh {e.mesh}: {src} peak per rank, by category", bars, marks or None)
 
 
 _CSS = """
@@ -286,106 +321,31 @@ svg.chart .ct { font-size: 13px; font-weight: bold; }
 """
 
 
-def _table(header: list[str], rows: list[list[str]], cls: str = "") -> str:
+def _table(header: list[str], rows: list, cls: str = "") -> str:
+    """An HTML table of plain-text cells; a fit verdict (yes / no) is coloured by its class."""
     out = [f'<table class="{cls}">' if cls else "<table>", "<tr>"]
     out += [f"<th>{_esc(h)}</th>" for h in header]
     out.append("</tr>")
     for r in rows:
-        out.append("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>")
+        cells = [
+            f'<td class="{c}">{c}</td>' if c in ("yes", "no") else f"<td>{_esc(c)}</td>" for c in r
+        ]
+        out.append("<tr>" + "".join(cells) + "</tr>")
     out.append("</table>")
     return "\n".join(out)
 
 
 def html_page(rep: Report) -> str:
-    body = [f"<h1>{_esc(rep.title)}</h1>"]
-    if rep.summary:
-        body.append(_table(["setting", "value"], [[_esc(k), _esc(v)] for k, v in rep.summary]))
-    fit_rows = [e for e in rep.entries if e.fits() is not None]
-    if fit_rows:
-        mem, head = fit_rows[0].device_memory, fit_rows[0].headroom
-        body.append(
-            f"<h2>Which meshes fit in {_esc(fmt_bytes(mem))} per device</h2>"
-            f"<p>keeping {head:.0%} for the allocator and the runtime</p>"
-        )
-        rows = []
-        for e in fit_rows:
-            best = e.values("simulated") or e.values("estimated") or e.values("measured")
-            ok = e.fits()
-            rows.append(
-                [
-                    _esc(e.mesh),
-                    _esc(fmt_bytes(best["peak"])),
-                    f'<span class="{"yes" if ok else "no"}">{"yes" if ok else "no"}</span>',
-                    _esc(e.remedy),
-                ]
-            )
-        body.append(_table(["mesh", "total per rank", "fits", "what would fit"], rows, "fit"))
-        body.append(
-            svg_grouped_bars(
-                "total per rank by mesh",
-                [(e.mesh, [(s, e.values(s)["peak"]) for s in e.sources()]) for e in rep.entries],
-            )
-        )
-    for e in rep.entries:
-        srcs = e.sources()
-        body.append(f"<h2>Mesh {_esc(e.mesh)}</h2>")
-        ref_src = e.reference()
-        ref = e.values(ref_src) if ref_src else None
-        rows = []
-        for cat in CATEGORIES:
-            cells = [_esc(LABELS[cat])]
-            for s in srcs:
-                v = e.values(s)[cat]
-                diff = _diff(v, ref[cat]) if ref is not None and s != ref_src else ""
-                cells.append(_esc(fmt_bytes(v) + diff))
-            rows.append(cells)
-        body.append(_table(["category (rank 0)", *srcs], rows, "categories"))
-        body.append(
-            svg_grouped_bars(
-                f"mesh {e.mesh}, rank 0: bytes by category",
-                [(LABELS[c], [(s, e.values(s)[c]) for s in srcs]) for c in CATEGORIES],
-            )
-        )
-        per_rank = []
-        marks = {}
-        if e.measured:
-            for m in sorted(e.measured, key=lambda m: m["rank"]):
-                per_rank.append((str(m["rank"]), m.get("peak_breakdown") or {}))
-            src = "measured"
-        elif e.estimate_per_rank:
-            for est in e.estimate_per_rank:
-                phase = est["phases"][est["peak_phase"]]
-                per_rank.append((str(est["rank"]), phase))
-            src = "estimated"
-        if per_rank:
-            for est in e.estimate_per_rank:
-                marks[str(est["rank"])] = est["peak"]
-            per_rank, marks = group_identical_ranks(per_rank, marks)
-            body.append(
-                svg_stacked_bars(
-                    f"mesh {e.mesh}: {src} peak per rank, by category", per_rank, marks or None
-                )
-            )
-        notes = []
-        if e.estimate:
-            est = e.estimate
-            notes.append(
-                f"estimated peak at {est['peak_phase']}; micro batch {est['micro_batch']} x "
-                f"{est['micro_batches']}, sequence {est['seq_len']}"
-            )
-        if e.simulated:
-            s = e.simulated
-            notes.append(
-                f"simulated rank {s['rank']} of {s['world_size']} ({s['mixed_precision']}, "
-                f"micro batch {s['micro_batch']}): {s['wall_s']:.0f} s, peak RSS "
-                f"{fmt_bytes(s['rss_peak'])}"
-            )
-        if notes:
-            body.append("<ul>" + "".join(f"<li>{_esc(n)}</li>" for n in notes) + "</ul>")
-    if rep.notes:
-        body.append("<h2>Notes</h2><ul>")
-        body += [f"<li>{_esc(n)}</li>" for n in rep.notes]
-        body.append("</ul>")
+    body = []
+    for kind, *args in _blocks(rep):
+        if kind == "table":
+            body.append(_table(*args))
+        elif kind == "ul":
+            body.append("<ul>" + "".join(f"<li>{_esc(item)}</li>" for item in args[0]) + "</ul>")
+        elif kind == "chart":
+            body.append(args[0])
+        else:
+            body.append(f"<{kind}>{_esc(args[0])}</{kind}>")
     return (
         '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8"/>\n'
         f"<title>{_esc(rep.title)}</title>\n<style>{_CSS}</style>\n</head>\n<body>\n"
