@@ -352,3 +352,16 @@ def estimate(cfg: JobConfig, mesh: MeshShape, rank: int = 0, target: str = "cuda
         micro_batches=n_micro,
         seq_len=S,
     )
+
+
+def estimates_per_rank(cfg: JobConfig, mesh: MeshShape, target: str = "cuda") -> list[dict]:
+    """Every rank's `estimate(...).to_dict()`; ranks differ only by their dp_shard index (uneven
+    FSDP shards), so one estimate per index serves them all."""
+    by_shard: dict[int, Estimate] = {}
+    out = []
+    for r in range(mesh.world):
+        shard = mesh.coords(r)[1]
+        if shard not in by_shard:
+            by_shard[shard] = estimate(cfg, mesh, r, target)
+        out.append(by_shard[shard].to_dict() | {"rank": r})
+    return out

@@ -23,11 +23,9 @@ import torch
 import torch.distributed as dist
 
 from hybrid2d.config import resolve_mixed_precision
-from hybrid2d.profiling.estimate import MeshShape, estimate
-from hybrid2d.profiling.measure import measure_step
+from hybrid2d.profiling.estimate import GiB, MeshShape, estimates_per_rank
+from hybrid2d.profiling.measure import CATEGORIES, measure_step
 from hybrid2d.profiling.report import Entry, Report, write
-
-GiB = 2**30
 
 
 class MemoryProfiler:
@@ -70,28 +68,13 @@ class MemoryProfiler:
         if not self.enabled or not self.records:
             return {}
         r = self.records[-1]
-        out = {
-            f"memory/{k}_gib": r[k] / GiB
-            for k in ("parameters", "gradients", "optimizer", "activations", "communication")
-        }
+        out = {f"memory/{k}_gib": r[k] / GiB for k in CATEGORIES}
         out["memory/tensors_peak_gib"] = r["peak"] / GiB
         out["memory/rss_gib"] = r["rss"] / GiB
         if r["device_peak"]:
             out["memory/device_allocated_peak_gib"] = r["device_peak"] / GiB
             out["memory/device_reserved_peak_gib"] = r["device_reserved_peak"] / GiB
         return out
-
-    def _estimate(self) -> list[dict]:
-
-        m = self.mesh
-        shape = MeshShape(m.dp_replicate, m.dp_shard, m.tp)
-        try:
-            return [
-                estimate(self.cfg, shape, r, m.device.type).to_dict() for r in range(shape.world)
-            ]
-        except Exception as e:  # the estimate is an extra; never fail a run because of it
-            print(f"memory estimate unavailable: {e}", file=sys.stderr, flush=True)
-            return []
 
     def close(self) -> None:
         """Write this rank's figures (and snapshot); safe in a `finally`, no collectives."""
@@ -123,16 +106,15 @@ class MemoryProfiler:
         if self.rank != 0:
             return None
 
-        measured = load_measured(os.path.dirname(self.dir))
-        estimates = self._estimate()
         m = self.mesh
-        rep_prefix = f"{m.dp_replicate}x" if m.dp_replicate > 1 else ""
-        entry = Entry(
-            mesh=f"{rep_prefix}{m.dp_shard}x{m.tp}",
-            estimate=estimates[0] if estimates else None,
-            estimate_per_rank=estimates,
-            measured=measured,
-        )
+        shape = MeshShape(m.dp_replicate, m.dp_shard, m.tp)
+        try:
+            estimates = estimates_per_rank(self.cfg, shape, m.device.type)
+        except Exception as e:  # the estimate is an extra; never fail a run because of it
+            print(f"memory estimate unavailable: {e}", file=sys.stderr, flush=True)
+            estimates = []
+        measured = load_measured(os.path.dirname(self.dir))
+        entry = Entry(str(shape), estimates[0] if estimates else None, estimates, None, measured)
         rep = Report(
             title=f"Memory of {self.cfg.recipe} on {m.device.type}, {self.world} ranks",
             summary=summary_rows(self.cfg, m.device.type),
