@@ -483,7 +483,7 @@ def load_dcp(model: nn.Module, path: str, source: str | None = None) -> LoadRepo
                         os.path.join(path, info.relative_path), "rb", buffering=0
                     )
                 where = f"checkpoint.init_from={source}: {name} in {info.relative_path}"
-                saved = saved_tensor(f, info.offset, info.length, where)
+                at, saved = saved_tensor(f, info.offset, info.length, where)
                 if tuple(saved.shape) != tuple(chunk.sizes):
                     raise CheckpointError(
                         f"{where}: stored shape {list(saved.shape)} differs from the metadata's "
@@ -491,7 +491,7 @@ def load_dcp(model: nn.Module, path: str, source: str | None = None) -> LoadRepo
                     )
                 within = [low - c for low, c in zip(lo, chunk.offsets, strict=True)]
                 extent = [h - low for low, h in zip(lo, hi, strict=True)]
-                block, n = read_saved_block(f, saved, within, extent, where)
+                block, n = read_saved_block(f, at, saved, within, extent, where)
                 dest = tuple(
                     slice(low - o, h - o) for low, h, o in zip(lo, hi, offsets, strict=True)
                 )

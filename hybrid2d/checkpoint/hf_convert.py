@@ -152,17 +152,12 @@ class Summary:
         )
 
 
-def _progress(total: int, desc: str, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024)
-
-
-def _prepare_dst(dst: str) -> str:
-    """Refuse a non-empty destination; return a sibling temp dir renamed into place at the end,
-    so an interrupted conversion never leaves a half-written DST."""
+@contextlib.contextmanager
+def _converting(dst: str, summary: Summary, desc: str, progress: bool):
+    """Yield (a sibling temporary directory, a progress callback taking bytes) to write DST's
+    files into; the directory is renamed to DST only when all went well and removed on any
+    error, so an interrupted conversion never leaves a half-written DST. Fills in the summary's
+    time and peak memory."""
     if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
         raise CheckpointError(f"destination {dst} exists and is not empty; choose a new directory")
     parent = os.path.dirname(os.path.abspath(dst))
@@ -172,32 +167,32 @@ def _prepare_dst(dst: str) -> str:
     if os.path.exists(tmp):
         shutil.rmtree(tmp)
     os.makedirs(tmp)
-    return tmp
+    bar = None
+    if progress:
+        from tqdm import tqdm
 
-
-def _finish_dst(tmp: str, dst: str) -> None:
-    if os.path.isdir(dst):
-        os.rmdir(dst)  # empty (checked by _prepare_dst)
-    os.replace(tmp, dst)
-
-
-@contextlib.contextmanager
-def _cleanup_on_error(tmp: str):
+        bar = tqdm(total=summary.bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024)
+    start = time.perf_counter()
     try:
-        yield
+        with PeakMemory() as mem:
+            yield tmp, (bar.update if bar is not None else lambda n: None)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if bar is not None:
+            bar.close()
+    if os.path.isdir(dst):
+        os.rmdir(dst)  # empty (checked above)
+    os.replace(tmp, dst)
+    summary.seconds = time.perf_counter() - start
+    summary.peak_memory_growth, summary.memory_method = mem.growth, mem.method
 
 
-def _copy_aux(src: str, dst: str) -> list[str]:
-    copied = []
+def _copy_aux(src: str, dst: str) -> None:
     for name in AUX_FILES:
-        path = os.path.join(src, name)
-        if os.path.isfile(path):
-            shutil.copyfile(path, os.path.join(dst, name))
-            copied.append(name)
-    return copied
+        if os.path.isfile(os.path.join(src, name)):
+            shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
 
 
 # ---- HF -> DCP -------------------------------------------------------------------------------
@@ -222,32 +217,27 @@ def convert_hf_to_dcp(
         sources = dict(zip(names, names, strict=True))
         if cfg.tie_embeddings and "lm_head.weight" not in sources:
             sources["lm_head.weight"] = "model.embed_tokens.weight"
-        tmp = _prepare_dst(dst)
 
         def target(info) -> torch.dtype:
             return dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
 
         sizes = [ckpt.tensors[s].numel * target(ckpt.tensors[s]).itemsize for s in sources.values()]
-        total = sum(sizes)
-        summary = Summary(tensors=len(sources), bytes=total, largest_tensor=max(sizes))
-        bar = _progress(total, "hf -> dcp", progress)
+        summary = Summary(tensors=len(sources), bytes=sum(sizes), largest_tensor=max(sizes))
         meta = {
             name: torch.empty(ckpt.tensors[s].shape, dtype=target(ckpt.tensors[s]), device="meta")
             for name, s in sources.items()
         }
+        with _converting(dst, summary, "hf -> dcp", progress) as (tmp, advance):
 
-        class StreamingPlanner(DefaultSavePlanner):
-            """Reads each tensor from the safetensors file when DCP is about to write it."""
+            class StreamingPlanner(DefaultSavePlanner):
+                """Reads each tensor from the safetensors file when DCP is about to write it."""
 
-            def resolve_data(self, write_item):
-                name = sources[write_item.index.fqn.removeprefix("model.")]
-                t = ckpt.read(name).to(target(ckpt.tensors[name]))
-                if bar is not None:
-                    bar.update(t.numel() * t.element_size())
-                return t
+                def resolve_data(self, write_item):
+                    name = sources[write_item.index.fqn.removeprefix("model.")]
+                    t = ckpt.read(name).to(target(ckpt.tensors[name]))
+                    advance(t.numel() * t.element_size())
+                    return t
 
-        start = time.perf_counter()
-        with _cleanup_on_error(tmp), PeakMemory() as mem:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*assuming the intent is to save")
                 dcp.save(
@@ -258,19 +248,13 @@ def convert_hf_to_dcp(
                     planner=StreamingPlanner(),
                     no_dist=True,
                 )
-            if bar is not None:
-                bar.close()
             job = JobConfig(recipe="hf-import")
             job.model = cfg
             with open(os.path.join(tmp, "config.json"), "w") as f:
                 json.dump(job.to_dict(), f, indent=2)
             shutil.copyfile(os.path.join(src, "config.json"), os.path.join(tmp, HF_CONFIG_COPY))
             _copy_aux(src, tmp)
-    summary.files = len(os.listdir(tmp))
-    _finish_dst(tmp, dst)
-    summary.seconds = time.perf_counter() - start
-    summary.peak_memory_growth = mem.growth
-    summary.memory_method = mem.method
+            summary.files = len(os.listdir(tmp))
     return summary
 
 
@@ -324,33 +308,25 @@ def convert_dcp_to_hf(
 
     specs = [TensorSpec(n, target(n), tuple(found[n].size)) for n in names]
     shards = plan_shards(specs, max_shard_bytes)
-    tmp = _prepare_dst(dst)
     total = sum(s.nbytes for s in specs)
-    summary = Summary(tensors=len(specs), bytes=total)
-    summary.largest_tensor = max(s.nbytes for s in specs)
-    bar = _progress(total, "dcp -> hf", progress)
+    summary = Summary(len(specs), total, largest_tensor=max(s.nbytes for s in specs))
+    summary.files = len(shards)
     tensors = iter_model_tensors(Path(src), meta, names)  # in the order the shards ask for them
-
-    def produce(spec: TensorSpec) -> torch.Tensor:
-        out = next(tensors)[1].to(spec.dtype)
-        if bar is not None:
-            bar.update(spec.nbytes)
-        return out
-
-    start = time.perf_counter()
     weight_map = {}
-    with _cleanup_on_error(tmp):
-        with PeakMemory() as mem:
-            for k, shard in enumerate(shards):
-                fname = (
-                    SINGLE_NAME
-                    if len(shards) == 1
-                    else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-                )
-                write_safetensors(os.path.join(tmp, fname), shard, produce, {"format": "pt"})
-                weight_map.update(dict.fromkeys((s.name for s in shard), fname))
-        if bar is not None:
-            bar.close()
+    with _converting(dst, summary, "dcp -> hf", progress) as (tmp, advance):
+
+        def produce(spec: TensorSpec) -> torch.Tensor:
+            advance(spec.nbytes)
+            return next(tensors)[1].to(spec.dtype)
+
+        for k, shard in enumerate(shards):
+            fname = (
+                SINGLE_NAME
+                if len(shards) == 1
+                else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+            )
+            write_safetensors(os.path.join(tmp, fname), shard, produce, {"format": "pt"})
+            weight_map.update(dict.fromkeys((s.name for s in shard), fname))
         if len(shards) > 1:
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             with open(os.path.join(tmp, INDEX_NAME), "w") as f:
@@ -364,9 +340,4 @@ def convert_dcp_to_hf(
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
         _copy_aux(src, tmp)
-    summary.files = len(shards)
-    _finish_dst(tmp, dst)
-    summary.seconds = time.perf_counter() - start
-    summary.peak_memory_growth = mem.growth
-    summary.memory_method = mem.method
     return summary

@@ -7,12 +7,9 @@ generate) read the model through `iter_model_tensors`, which holds one tensor at
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import io
 import json
-import math
-import pickle
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -204,9 +201,9 @@ def cause(e: BaseException) -> str:
 #
 # FileSystemWriter stores each chunk of a tensor as a torch.save archive at a byte range of a
 # .distcp file (DCP's metadata says where: storage_data[MetadataIndex(fqn, chunk offsets)]).
-# FileSystemReader reads the whole range and narrows it in memory; `read_saved_block` instead
-# parses the archive's small pickle for the tensor's dtype, shape and strides, finds its data
-# record's offset, and reads only the bytes of the wanted block (one run per row).
+# FileSystemReader reads the whole range and narrows it in memory; `saved_tensor` instead finds
+# the tensor's dtype, shape, strides and where its bytes start, and `read_saved_block` reads only
+# the bytes of the wanted block (one run per row).
 
 
 class _Window(io.RawIOBase):
@@ -237,69 +234,34 @@ class _Window(io.RawIOBase):
         return len(data)
 
 
-def _rebuild_layout(storage, storage_offset, size, stride, *_rest):
-    return ("tensor", storage, int(storage_offset), tuple(size), tuple(stride))
-
-
-class _LayoutUnpickler(pickle.Unpickler):
-    """Unpickles a torch.save'd tensor into (storage key, dtype, offset, shape, strides) only;
-    any global other than the few a plain tensor uses is refused."""
-
-    def find_class(self, module: str, name: str):
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return _rebuild_layout
-        if (module, name) == ("collections", "OrderedDict"):
-            return collections.OrderedDict
-        if module == "torch" and name.endswith("Storage"):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"unexpected global {module}.{name}")
-
-    def persistent_load(self, pid):
-        _, storage_type, key, _location, _numel = pid
-        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type._dtype
-        return (str(key), dtype)
-
-
-@dataclasses.dataclass(frozen=True)
-class SavedTensor:
-    """Where a torch.save'd tensor's elements are: absolute byte offset of element 0 in the file,
-    dtype, shape and strides (in elements)."""
-
-    start: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-
-
-def saved_tensor(f, offset: int, length: int, where: str) -> SavedTensor:
-    """The layout of the torch.save archive at bytes [offset, offset + length) of file f."""
+def saved_tensor(f, offset: int, length: int, where: str) -> tuple[int, torch.Tensor]:
+    """(byte offset in f of element 0, a meta tensor with the dtype, shape and strides) of the
+    torch.save archive at bytes [offset, offset + length) of file f. Loading onto the meta device
+    parses only the archive's small pickle (weights_only: no arbitrary globals) and notes where
+    the storage's bytes start without reading them."""
     try:
-        archive = torch._C.PyTorchFileReader(_Window(f, offset, length))
-        found = _LayoutUnpickler(io.BytesIO(archive.get_record("data.pkl"))).load()
-        kind, (key, dtype), storage_offset, shape, stride = found
-        if kind != "tensor":
-            raise ValueError("not a tensor")
-        data = archive.get_record_offset(f"data/{key}")
+        t = torch.load(_Window(f, offset, length), map_location="meta", weights_only=True)
+        data = t.untyped_storage()._checkpoint_offset
     except Exception as e:  # a damaged archive raises anything
         raise ConfigError(
             f"{where} cannot be read ({first_line(e)}); it is truncated or corrupted"
         ) from None
-    return SavedTensor(offset + data + storage_offset * dtype.itemsize, dtype, shape, stride)
+    return offset + data + t.storage_offset() * t.dtype.itemsize, t
 
 
 def read_saved_block(
-    f, t: SavedTensor, offsets: Sequence[int], sizes: Sequence[int], where: str
+    f, start: int, t: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int], where: str
 ) -> tuple[torch.Tensor, int]:
-    """(block [offsets, offsets + sizes) of the saved tensor, bytes read from the file)."""
-    shape = t.shape
-    contiguous = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
-    if list(t.stride) == contiguous or math.prod(shape) <= 1:
-        return read_block(f, t.start, t.dtype, shape, offsets, sizes, where)
+    """(block [offsets, offsets + sizes) of a saved tensor, bytes read from the file), given
+    what saved_tensor returned for it."""
+    shape, stride = tuple(t.shape), t.stride()
+    if t.is_contiguous() or t.numel() <= 1:
+        return read_block(f, start, t.dtype, shape, offsets, sizes, where)
     # Not row-major (DCP writes contiguous chunks; be safe anyway): read it whole.
-    span = sum((n - 1) * s for n, s in zip(shape, t.stride, strict=True)) + 1
+    span = sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) + 1
     raw = torch.empty(span, dtype=t.dtype)
-    _read_exact(f, t.start, _byte_view(raw), where)
-    block = raw.as_strided(shape, t.stride)[
+    _read_exact(f, start, _byte_view(raw), where)
+    block = raw.as_strided(shape, stride)[
         tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
     ]
     return block.clone(memory_format=torch.contiguous_format), span * t.dtype.itemsize
