@@ -6,19 +6,22 @@ another job before the launcher binds it. Instead
   it, and tells the ranks to use it as torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE);
 - `torchrun(n, ...)` is torchrun --standalone: its agent binds port 0 for the rendezvous and for
   the ranks' store;
-- `rendezvous_store()` hosts a c10d rendezvous store for launchers acting as several nodes
-  (`--rdzv-conf is_host=false`: every launcher joins it as a client);
+- `host_store()` + `rendezvous_args(store)` host a c10d rendezvous for torchrun launchers acting
+  as several nodes (`--rdzv-conf is_host=false`: every launcher joins it as a client);
 - accelerate picks its port itself (`--main_process_port 0`) and checks it before launching;
-  `retry_if_port_taken` reruns a launch whose output says the address was taken in between.
+  `retry_if_port_taken` reruns a launch whose output says the address was taken in between;
+- accelerate as several nodes must be told node 0's port: `reserved_port()` holds one that no
+  other process can be given until node 0's store takes it over.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -29,12 +32,17 @@ REPO = Path(__file__).resolve().parents[1]
 PORT_TAKEN = ("address already in use", "eaddrinuse", "is utilizing it")
 
 
-def free_port() -> int:
-    """A port free right now (racy: another process can take it before it is used). Kept for
-    callers outside the tests this module serves; tests use the helpers below."""
+@contextlib.contextmanager
+def reserved_port() -> Iterator[int]:
+    """A port held by this process while the block runs, for a launcher that must be told its
+    port (accelerate acting as two nodes). The socket is bound with SO_REUSEADDR but never
+    listens: the OS hands the port to no one else (bind(0) and outgoing connections skip a
+    bound port), accelerate's "in use" probe finds nothing listening, and the launcher's store,
+    which binds with SO_REUSEADDR too, takes it over."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        yield s.getsockname()[1]
 
 
 def host_store() -> dist.TCPStore:
@@ -45,7 +53,7 @@ def host_store() -> dist.TCPStore:
 
 
 def rendezvous_args(store: dist.TCPStore) -> list[str]:
-    """torchrun arguments that join a c10d rendezvous held in `store` (see rendezvous_store)."""
+    """torchrun arguments that join a c10d rendezvous held in `store` (from host_store)."""
     return [
         "--rdzv-backend",
         "c10d",

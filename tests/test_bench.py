@@ -159,3 +159,12 @@ def test_cuda_without_a_gpu_is_refused():
         proc.stderr.strip()
         == "error: --device cuda, but no CUDA device is visible; use --device cpu"
     )
+
+
+def test_distributed_kinds_let_torchrun_bind_its_ports():
+    """No port is picked before the launch (a port found free can be taken before torchrun
+    binds it): --standalone makes torchrun's agent bind port 0 itself."""
+    cmd = load_bench().torchrun_command(4, ["worker.py", "--out", "x.json"])
+    assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+    assert cmd[5:] == ["4", "worker.py", "--out", "x.json"]
+    assert not any("port" in a or "rdzv" in a for a in cmd)

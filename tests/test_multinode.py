@@ -1,5 +1,6 @@
 """Two launchers on one host acting as two nodes of 2 ranks, and HSDP, against one process."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -10,11 +11,10 @@ import torch
 from tests.launch import (
     REPO,
     check_ok,
-    free_port,
     host_store,
     launcher_env,
-    port_taken,
     rendezvous_args,
+    reserved_port,
     run_ranks,
 )
 from tests.reference import tiny_config, train_single_process
@@ -25,16 +25,8 @@ pytestmark = pytest.mark.slow
 
 def two_node_launch(tmp_path, launcher: str, dp: int, tp: int, dp_replicate: int):
     """torchrun: both launchers join a rendezvous this process hosts (the workers' store is on a
-    port node 0's agent binds itself). accelerate needs a known port for node 0 to bind: the
-    pair is started again if node 0 finds it taken (accelerate checks it before launching)."""
-    for _ in range(3):
-        errs = _start_two_nodes(tmp_path, launcher, dp, tp, dp_replicate)
-        if errs is not None:
-            return torch.load(tmp_path / "out.pt")
-    raise AssertionError("node 0 found its port taken three times")
-
-
-def _start_two_nodes(tmp_path, launcher, dp, tp, dp_replicate):
+    port node 0's agent binds itself). accelerate must be told node 0's port: this process holds
+    it (`reserved_port`) until node 0's store takes it over, so no other job can be given it."""
     worker = [
         "tests/workers/parity.py",
         str(tmp_path / "out.pt"),
@@ -48,60 +40,61 @@ def _start_two_nodes(tmp_path, launcher, dp, tp, dp_replicate):
         CHECK_NODES="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
     )
     store = host_store() if launcher == "torchrun" else None
-    port = free_port() if store is None else None
-    nodes = []
-    for node in (0, 1):
-        if launcher == "accelerate":
-            cmd = [
-                sys.executable,
-                "-m",
-                "accelerate.commands.launch",
-                "--multi_gpu",
-                "--num_machines",
-                "2",
-                "--machine_rank",
-                str(node),
-                "--main_process_ip",
-                "127.0.0.1",
-                "--main_process_port",
-                str(port),
-                "--num_processes",
-                "4",
-                *worker,
-            ]
-        else:
-            cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                "2",
-                "--node_rank",
-                str(node),
-                "--nproc_per_node",
-                "2",
-                *rendezvous_args(store),
-                *worker,
-            ]
-        nodes.append(
-            subprocess.Popen(
-                cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    with reserved_port() if store is None else contextlib.nullcontext() as port:
+        nodes = []
+        for node in (0, 1):
+            if launcher == "accelerate":
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "accelerate.commands.launch",
+                    "--multi_gpu",
+                    "--num_machines",
+                    "2",
+                    "--machine_rank",
+                    str(node),
+                    "--main_process_ip",
+                    "127.0.0.1",
+                    "--main_process_port",
+                    str(port),
+                    "--num_processes",
+                    "4",
+                    *worker,
+                ]
+            else:
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nnodes",
+                    "2",
+                    "--node_rank",
+                    str(node),
+                    "--nproc_per_node",
+                    "2",
+                    *rendezvous_args(store),
+                    *worker,
+                ]
+            nodes.append(
+                subprocess.Popen(
+                    cmd,
+                    cwd=REPO,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
             )
-        )
-    try:
-        out0, err0 = nodes[0].communicate(timeout=300)
-        if nodes[0].returncode != 0 and store is None and port_taken(out0, err0):
-            return None  # node 1 may be waiting on whoever holds the port: start again
-        assert nodes[0].returncode == 0, err0[-4000:]
-        _, err1 = nodes[1].communicate(timeout=300)
-        assert nodes[1].returncode == 0, err1[-4000:]
-        return err0 + err1
-    finally:
-        for p in nodes:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        del store
+        try:
+            for node, p in enumerate(nodes):
+                _, err = p.communicate(timeout=300)
+                assert p.returncode == 0, f"node {node}: {err[-4000:]}"
+        finally:
+            for p in nodes:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    return torch.load(tmp_path / "out.pt")
 
 
 @pytest.mark.parametrize(

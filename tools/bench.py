@@ -109,19 +109,7 @@ def launch(kind: str, dp: int, tp: int, args, model_dir: str, extra: list[str]) 
         out,
         *extra,
     ]
-    if kind == "single":
-        cmd = [sys.executable, *common]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(dp * tp),
-            "--master_port",
-            str(_free_port()),
-            *common,
-        ]
+    cmd = [sys.executable, *common] if kind == "single" else torchrun_command(dp * tp, common)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"bench: {kind} {dp}x{tp} failed:\n{proc.stderr[-4000:]}")
@@ -131,12 +119,18 @@ def launch(kind: str, dp: int, tp: int, args, model_dir: str, extra: list[str]) 
     return result
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def torchrun_command(nproc: int, worker_args: list[str]) -> list[str]:
+    """torchrun on this host with --standalone: its agent binds port 0 for the rendezvous and
+    the ranks' store, so two benchmarks (or a test run) side by side never race for a port."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        *worker_args,
+    ]
 
 
 def kinds_to_run(args) -> dict[str, tuple[str, list[str]]]:
