@@ -169,7 +169,6 @@ class Estimate:
     peak: int
     peak_phase: str
     phases: dict[str, dict[str, int]] = field(default_factory=dict)
-    terms: dict[str, int] = field(default_factory=dict)  # the pieces, for the report
     micro_batch: int = 0
     micro_batches: int = 1
     seq_len: int = 0
@@ -181,11 +180,7 @@ class Estimate:
 def estimate(cfg: JobConfig, mesh: MeshShape, rank: int = 0, target: str = "cuda") -> Estimate:
     """Per-rank memory of one training step of `cfg` on `mesh` (validated first)."""
     cfg = JobConfig.from_dict(dataclasses.asdict(cfg))  # a copy, on this mesh
-    cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.tp = (
-        mesh.dp_replicate,
-        mesh.dp_shard,
-        mesh.tp,
-    )
+    cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.tp = dataclasses.astuple(mesh)
     cfg.validate(mesh.world)  # raises ConfigError naming the setting
     if target not in ("cuda", "cpu"):
         raise ConfigError(f"target {target!r} is not one of cuda, cpu")
@@ -276,16 +271,6 @@ def estimate(cfg: JobConfig, mesh: MeshShape, rank: int = 0, target: str = "cuda
         "end of backward": (vocab * D * c if tp == 1 else 0) + N * D * c,
         "optimizer": 2 * biggest_local * 4,
     }
-    terms.update(
-        {
-            "per block": block,
-            "per block kept (activation checkpointing)": kept,
-            "blocks": blocks_saved,
-            "final norm and lm_head input": head,
-            "logits (fp32)": logits,
-            f"loss transients ({loss_k} x logits)": loss_k * logits,
-        }
-    )
 
     # ---- communication buffers --------------------------------------------------------------
     # A unit's gathered parameters (compute dtype); FSDP2 holds the flat all-gather output of
@@ -305,7 +290,8 @@ def estimate(cfg: JobConfig, mesh: MeshShape, rank: int = 0, target: str = "cuda
         "optimizer": 0,
     }
     comm_peak = root + kept + lm_head_gathered + 3 * unit + unit * 4 // c
-    if getattr(p, "defer_grad_sync", False) and n_micro > 1:
+    defer = p.defer_grad_sync
+    if defer and n_micro > 1:
         # Gradients stay unsharded (fp32) from one micro batch to the next.
         unsharded_grads = sum(math.prod(tp_local_shape(i, tp)) for i in params) * 4
         for name in ("end of forward", "loss", "last block backward"):
@@ -314,12 +300,8 @@ def estimate(cfg: JobConfig, mesh: MeshShape, rank: int = 0, target: str = "cuda
 
     # ---- the moments of a step --------------------------------------------------------------
     # Sharded gradients accumulated by earlier micro batches (none when their sync is deferred).
-    defer = getattr(p, "defer_grad_sync", False)
     grads_before = gradients if n_micro > 1 and not defer else 0
-    grads = {
-        "end of forward": grads_before,
-        "loss": grads_before,
-        "last block backward": grads_before,
+    grads = dict.fromkeys(act, grads_before) | {
         "end of backward": gradients,
         "optimizer": gradients,
     }
@@ -347,7 +329,6 @@ def estimate(cfg: JobConfig, mesh: MeshShape, rank: int = 0, target: str = "cuda
         peak=totals[peak_phase],
         peak_phase=peak_phase,
         phases=phases,
-        terms=terms,
         micro_batch=b,
         micro_batches=n_micro,
         seq_len=S,

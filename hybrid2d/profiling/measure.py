@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -71,20 +72,22 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     return sum(seen.values())
 
 
-def optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
-    if optimizer is None:
-        return []
-    return [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+def static_tensors(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> dict[str, list[torch.Tensor]]:
+    """Parameters (+ buffers), gradients and optimizer state of this rank, by category."""
+    params = list(model.parameters())
+    state = optimizer.state.values() if optimizer is not None else []
+    return {
+        "parameters": [*params, *model.buffers()],
+        "gradients": [p.grad for p in params if p.grad is not None],
+        "optimizer": [v for s in state for v in s.values() if torch.is_tensor(v)],
+    }
 
 
 def static_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
-    """Parameters (+ buffers), gradients and optimizer state of this rank, from the tensors."""
-    params = list(model.parameters())
-    return {
-        "parameters": storage_bytes([*params, *model.buffers()]),
-        "gradients": storage_bytes(p.grad for p in params),
-        "optimizer": storage_bytes(optimizer_tensors(optimizer)),
-    }
+    """`static_tensors` in bytes, from the tensors (independently of the tracker)."""
+    return {k: storage_bytes(v) for k, v in static_tensors(model, optimizer).items()}
 
 
 # FSDP2 ops whose tensor arguments are communication buffers (see module docstring).
@@ -152,9 +155,7 @@ class MemoryTracker(TorchDispatchMode):
                 self._live[key] = _Storage(nbytes, category, ref)
                 self._count(category, nbytes)
             else:
-                if rec.nbytes != st.nbytes():  # resized by an op (aten.resize_ and friends)
-                    self._count(rec.category, st.nbytes() - rec.nbytes)
-                    rec.nbytes = st.nbytes()
+                self._recount(rec, st)  # resized by an op (aten.resize_ and friends)
                 if retag and rec.category != category:
                     self._count(rec.category, -rec.nbytes)
                     self._count(category, rec.nbytes)
@@ -171,10 +172,16 @@ class MemoryTracker(TorchDispatchMode):
             # Only FSDP2 resizes storages here: it re-allocates a gathered parameter.
             self._add(torch.empty(0, dtype=torch.uint8, device=st.device).set_(st), "communication")
             self._update_peak()
-        elif rec is not None and rec.nbytes != st.nbytes():
-            self._count(rec.category, st.nbytes() - rec.nbytes)
-            rec.nbytes = st.nbytes()
+        elif rec is not None and self._recount(rec, st):
             self._update_peak()
+
+    def _recount(self, rec: _Storage, st: torch.UntypedStorage) -> bool:
+        """Follow a storage's new size; False if it kept its size."""
+        if rec.nbytes == st.nbytes():
+            return False
+        self._count(rec.category, st.nbytes() - rec.nbytes)
+        rec.nbytes = st.nbytes()
+        return True
 
     def _count(self, category: str, delta: int) -> None:
         self.current[category] += delta
@@ -223,31 +230,27 @@ class MemoryTracker(TorchDispatchMode):
                     self._add(p, "communication", retag=True)
                     if id(p) not in self._grad_hooked and p.requires_grad:
                         self._grad_hooked.add(id(p))
-                        self._handles.append(p.register_post_accumulate_grad_hook(self._unit_grad))
+                        hook = functools.partial(self._tag_grad, "communication")
+                        self._handles.append(p.register_post_accumulate_grad_hook(hook))
 
             self._handles.append(module.register_forward_pre_hook(pre_forward))
         for p in self.model.parameters():
             if p.requires_grad:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._sharded_grad))
+                hook = functools.partial(self._tag_grad, "gradients")
+                self._handles.append(p.register_post_accumulate_grad_hook(hook))
 
         if self.optimizer is not None:
-            self._handles.append(
-                self.optimizer.register_step_pre_hook(lambda *a: self._set_phase("optimizer"))
-            )
-            self._handles.append(
-                self.optimizer.register_step_post_hook(lambda *a: self._set_phase("forward"))
-            )
+            opt = self.optimizer
+            self._handles.append(opt.register_step_pre_hook(lambda *a: self._phase("optimizer")))
+            self._handles.append(opt.register_step_post_hook(lambda *a: self._phase("forward")))
 
-    def _set_phase(self, phase: str) -> None:
+    def _phase(self, phase: str) -> None:
         self.phase = phase
 
-    def _unit_grad(self, p: torch.Tensor) -> None:
+    def _tag_grad(self, category: str, p: torch.Tensor) -> None:
+        """After a gradient is accumulated: an FSDP unit's unsharded one, or a sharded one."""
         if p.grad is not None:
-            self._add(p.grad, "communication", retag=True)
-
-    def _sharded_grad(self, p: torch.Tensor) -> None:
-        if p.grad is not None:
-            self._add(p.grad, "gradients", retag=True)
+            self._add(p.grad, category, retag=True)
 
     # ---- the mode ---------------------------------------------------------------------------
 
@@ -255,13 +258,9 @@ class MemoryTracker(TorchDispatchMode):
         params = list(self.model.parameters())
         if params:
             self.device = _local(params[0]).device
-        for t in [*params, *self.model.buffers()]:
-            self._add(t, "parameters")
-        for p in params:
-            if p.grad is not None:
-                self._add(p.grad, "gradients")
-        for t in optimizer_tensors(self.optimizer):
-            self._add(t, "optimizer")
+        for category, tensors in static_tensors(self.model, self.optimizer).items():
+            for t in tensors:
+                self._add(t, category)
         self.max_by_category = dict(self.current)
         self.peak = self.total
         self.peak_breakdown = dict(self.current)
@@ -365,13 +364,12 @@ def measure_step(
             handle.remove()
     if not statics:
         statics = static_bytes(model, optimizer)
+    device_peak, device_reserved_peak = device_peaks(device)
     result.append(
         StepMemory(
-            step=step,
-            rank=rank,
-            parameters=statics["parameters"],
-            gradients=statics["gradients"],
-            optimizer=statics["optimizer"],
+            step,
+            rank,
+            **statics,
             activations=tracker.max_by_category["activations"],
             communication=tracker.max_by_category["communication"],
             peak=tracker.peak,
@@ -379,7 +377,7 @@ def measure_step(
             peak_breakdown=dict(tracker.peak_breakdown),
             rss=rss_bytes(),
             rss_peak=peak_rss_bytes(),
-            device_peak=device_peaks(device)[0],
-            device_reserved_peak=device_peaks(device)[1],
+            device_peak=device_peak,
+            device_reserved_peak=device_reserved_peak,
         )
     )
