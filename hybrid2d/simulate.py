@@ -15,13 +15,14 @@ Two shortcuts keep large models affordable without changing what is allocated:
   outputs of the shape and dtype the real kernel would produce (found by running the op on the
   meta device). Elementwise work still runs, so a step costs seconds instead of TFLOPs.
 
-Run in its own process (`python -m hybrid2d.simulate SPEC.json OUT.json`) so that one
+Run in its own process (`python -m hybrid2d.simulate OUT.json < SPEC.json`) so that one
 simulation's process group, RSS and peak never mix with another's; `run_subprocess` does that.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import os
@@ -112,7 +113,7 @@ def _noise_init():
 
 def prepare_config(cfg: JobConfig, mesh: tuple[int, int, int], target: str) -> JobConfig:
     """The run's config on `mesh` as the target device would run it, checked like a real run."""
-    cfg = JobConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    cfg = copy.deepcopy(cfg)
     cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.tp = mesh
     # Resolved for the target, not for this CPU.
     cfg.parallel.mixed_precision = resolve_mixed_precision(cfg.parallel.mixed_precision, target)
@@ -204,27 +205,17 @@ def run_subprocess(
     timeout: float | None = None,
 ) -> dict:
     """`simulate` in a fresh Python process; returns its result (raises with its stderr)."""
+    spec = {"config": cfg.to_dict(), "mesh": list(mesh), "rank": rank, "target": target}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # A launcher's rank variables (the caller may be a rank itself) are not the simulation's.
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
+    env = {k: v for k, v in os.environ.items() if k not in launcher}
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     with tempfile.TemporaryDirectory() as tmp:
-        spec = os.path.join(tmp, "spec.json")
         out = os.path.join(tmp, "out.json")
-        with open(spec, "w") as f:
-            json.dump(
-                {
-                    "config": cfg.to_dict(),
-                    "mesh": list(mesh),
-                    "rank": rank,
-                    "target": target,
-                    "skip_compute": skip_compute,
-                },
-                f,
-            )
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = dict(os.environ)
-        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
-            env.pop(var, None)
-        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
         proc = subprocess.run(
-            [sys.executable, "-m", "hybrid2d.simulate", spec, out],
+            [sys.executable, "-m", "hybrid2d.simulate", out],
+            input=json.dumps(spec | {"skip_compute": skip_compute}),
             env=env,
             capture_output=True,
             text=True,
@@ -240,16 +231,10 @@ def run_subprocess(
 
 
 def main(argv: list[str]) -> int:
-    spec_path, out_path = argv
-    with open(spec_path) as f:
-        spec = json.load(f)
-    result = simulate(
-        JobConfig.from_dict(spec["config"]),
-        tuple(spec["mesh"]),
-        rank=spec["rank"],
-        target=spec["target"],
-        skip_compute=spec["skip_compute"],
-    )
+    """OUT.json: the result of `simulate` for the spec (run_subprocess's) read from stdin."""
+    (out_path,) = argv
+    spec = json.load(sys.stdin)
+    result = simulate(JobConfig.from_dict(spec.pop("config")), tuple(spec.pop("mesh")), **spec)
     with open(out_path, "w") as f:
         json.dump(result, f, indent=2)
     return 0
