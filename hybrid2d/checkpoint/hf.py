@@ -17,16 +17,21 @@ error line on each rank and no rank waits for the others.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
 from hybrid2d.checkpoint.hf_safetensors import CheckpointError, HFCheckpoint
 from hybrid2d.checkpoint.reader import (
@@ -295,66 +300,21 @@ def parse_init_from(spec: str) -> tuple[str, str]:
 def local_block(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(offsets, sizes) of this rank's piece of a parameter in the full tensor.
 
-    For a DTensor the piece is one rectangular block for the layouts TP and FSDP2 produce:
-    per dimension, plain Shards split the range in mesh order (torch.chunk semantics), and an
-    FSDP-over-TP `_StridedShard(d, split_factor=f)` then splits what the Shard(d) dims to its
-    right (whose sizes multiply to f) left on this rank. The result is checked against
-    torch's compute_local_shape_and_global_offset and the local tensor's shape.
+    For a DTensor that is the chunk DCP itself saves for it (`__create_chunk_list__`: one
+    rectangular block for the layouts TP and FSDP2 produce, FSDP-over-TP's _StridedShard
+    included), so a sliced load places bytes exactly where a DCP save takes them from. It is
+    checked against the local tensor's shape.
     """
-    from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    from torch.distributed.tensor.placement_types import _StridedShard
-
     if not isinstance(param, DTensor):
         return (0,) * param.ndim, tuple(param.shape)
-    mesh, placements = param.device_mesh, param.placements
-    coord = mesh.get_coordinate()
-    starts = [0] * param.ndim
-    sizes = list(param.shape)
-
-    def split(dim: int, mesh_dim: int) -> None:
-        n = mesh.size(mesh_dim)
-        chunk = math.ceil(sizes[dim] / n) if sizes[dim] else 0
-        lo = min(coord[mesh_dim] * chunk, sizes[dim])
-        hi = min(lo + chunk, sizes[dim])
-        starts[dim] += lo
-        sizes[dim] = hi - lo
-
-    strided = []
-    for mesh_dim, p in enumerate(placements):
-        if isinstance(p, _StridedShard):
-            strided.append((mesh_dim, p))
-        elif isinstance(p, Shard):
-            split(p.dim, mesh_dim)
-    for mesh_dim, p in reversed(strided):
-        right = [
-            mesh.size(j)
-            for j in range(mesh_dim + 1, len(placements))
-            if isinstance(placements[j], Shard)
-            and not isinstance(placements[j], _StridedShard)
-            and placements[j].dim == p.dim
-        ]
-        if math.prod(right) != p.split_factor:
-            raise NotImplementedError(f"unsupported DTensor layout {placements} for sliced loads")
-        split(p.dim, mesh_dim)
-    shape, offset = compute_local_shape_and_global_offset(param.shape, mesh, placements)
+    chunks = param.__create_chunk_list__()
     local = tuple(param.to_local().shape)
-    if (
-        tuple(sizes) != tuple(shape)
-        or tuple(sizes) != local
-        or (math.prod(sizes) and tuple(starts) != tuple(offset))
-    ):
+    if len(chunks) != 1 or tuple(chunks[0].sizes) != local:
         raise NotImplementedError(
-            f"shard layout disagreement for {placements}: derived {starts}+{sizes}, torch "
-            f"{list(offset)}+{list(shape)}, local {list(local)}"
+            f"unsupported DTensor layout {param.placements} for sliced loads: chunks "
+            f"{[(list(c.offsets), list(c.sizes)) for c in chunks]}, local {list(local)}"
         )
-    return tuple(starts), tuple(sizes)
-
-
-def _local(param: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return param.to_local() if isinstance(param, DTensor) else param
+    return tuple(chunks[0].offsets), local
 
 
 def _recompute_buffers(model: nn.Module) -> None:
@@ -378,25 +338,35 @@ def check_hf_source(path: str, cfg: ModelConfig, source: str) -> tuple[HFCheckpo
 
 
 @torch.no_grad()
+def _fill_blocks(model: nn.Module, source: str, start: float, checkpoint_bytes: int, read_into):
+    """Fill every parameter's local block with read_into(name, offsets, sizes, out), which
+    returns the bytes it read from disk, then recompute the buffers."""
+    report = LoadReport(source, checkpoint_bytes=checkpoint_bytes)
+    for name, param in model.named_parameters():  # tied: only model.embed_tokens.weight
+        offsets, sizes = local_block(param)
+        local = param.to_local() if isinstance(param, DTensor) else param
+        report.per_tensor[name] = read_into(name, offsets, sizes, local)
+        report.tensors += 1
+    report.bytes_read = sum(report.per_tensor.values())
+    _recompute_buffers(model)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
 def load_hf(model: nn.Module, path: str, source: str | None = None) -> LoadReport:
     """Read a HF directory into `model` (plain or TP/FSDP-sharded), each rank only its blocks."""
     source = source or f"hf:{path}"
     start = time.perf_counter()
-    ckpt, names = check_hf_source(path, model.cfg, source)
-    report = LoadReport(source)
+    ckpt, _ = check_hf_source(path, model.cfg, source)
+
+    def read_into(name: str, offsets, sizes, out: torch.Tensor) -> int:
+        block = ckpt.read_slice(name, offsets, sizes)
+        out.copy_(block)
+        return block.numel() * block.element_size()
+
     with ckpt:
-        params = dict(model.named_parameters())
-        for name, param in params.items():
-            offsets, sizes = local_block(param)
-            block = ckpt.read_slice(name, offsets, sizes)
-            _local(param).copy_(block)
-            report.per_tensor[name] = block.numel() * block.element_size()
-            report.checkpoint_bytes += ckpt.tensors[name].nbytes
-            report.tensors += 1
-        report.bytes_read = ckpt.bytes_read
-    _recompute_buffers(model)
-    report.seconds = time.perf_counter() - start
-    return report
+        total = sum(ckpt.tensors[name].nbytes for name, _ in model.named_parameters())
+        return _fill_blocks(model, source, start, total, read_into)
 
 
 # ---- DCP ("model" entry only) ----------------------------------------------------------------
@@ -461,60 +431,46 @@ def load_dcp(model: nn.Module, path: str, source: str | None = None) -> LoadRepo
         return _load_dcp_whole(model, path, source, params, start)
     keys = model_keys(md)
     storage = {(i.fqn, tuple(i.offset)): info for i, info in md.storage_data.items()}
-    report = LoadReport(source)
-    files: dict[str, object] = {}
-    try:
-        for name, param in params.items():
-            fqn, tmd = keys[name], entries[name]
-            offsets, sizes = local_block(param)
-            local = _local(param)
-            for chunk in tmd.chunks:
-                lo = [max(o, c) for o, c in zip(offsets, chunk.offsets, strict=True)]
-                hi = [
-                    min(o + s, c + n)
-                    for o, s, c, n in zip(offsets, sizes, chunk.offsets, chunk.sizes, strict=True)
-                ]
-                if any(h <= low for low, h in zip(lo, hi, strict=True)):
-                    continue
-                info = storage[(fqn, tuple(chunk.offsets))]
-                f = files.get(info.relative_path)
-                if f is None:
-                    f = files[info.relative_path] = open(  # noqa: SIM115 - closed below
-                        os.path.join(path, info.relative_path), "rb", buffering=0
-                    )
-                where = f"checkpoint.init_from={source}: {name} in {info.relative_path}"
-                at, saved = saved_tensor(f, info.offset, info.length, where)
-                if tuple(saved.shape) != tuple(chunk.sizes):
-                    raise CheckpointError(
-                        f"{where}: stored shape {list(saved.shape)} differs from the metadata's "
-                        f"{list(chunk.sizes)} (corrupted checkpoint)"
-                    )
-                within = [low - c for low, c in zip(lo, chunk.offsets, strict=True)]
-                extent = [h - low for low, h in zip(lo, hi, strict=True)]
-                block, n = read_saved_block(f, at, saved, within, extent, where)
-                dest = tuple(
-                    slice(low - o, h - o) for low, h, o in zip(lo, hi, offsets, strict=True)
+    files = {}
+
+    def read_into(name: str, offsets, sizes, out: torch.Tensor) -> int:
+        read = 0
+        for chunk in entries[name].chunks:
+            lo = [max(o, c) for o, c in zip(offsets, chunk.offsets, strict=True)]
+            hi = [
+                min(o + s, c + n)
+                for o, s, c, n in zip(offsets, sizes, chunk.offsets, chunk.sizes, strict=True)
+            ]
+            if any(h <= low for low, h in zip(lo, hi, strict=True)):
+                continue
+            info = storage[(keys[name], tuple(chunk.offsets))]
+            f = files.get(info.relative_path)
+            if f is None:
+                f = files[info.relative_path] = stack.enter_context(
+                    open(os.path.join(path, info.relative_path), "rb", buffering=0)
                 )
-                local[dest].copy_(block)
-                report.bytes_read += n
-                report.per_tensor[name] = report.per_tensor.get(name, 0) + n
-            report.checkpoint_bytes += math.prod(tmd.size) * tmd.properties.dtype.itemsize
-            report.tensors += 1
-    finally:
-        for f in files.values():
-            f.close()
-    _recompute_buffers(model)
-    report.seconds = time.perf_counter() - start
-    return report
+            where = f"checkpoint.init_from={source}: {name} in {info.relative_path}"
+            at, saved = saved_tensor(f, info.offset, info.length, where)
+            if tuple(saved.shape) != tuple(chunk.sizes):
+                raise CheckpointError(
+                    f"{where}: stored shape {list(saved.shape)} differs from the metadata's "
+                    f"{list(chunk.sizes)} (corrupted checkpoint)"
+                )
+            within = [low - c for low, c in zip(lo, chunk.offsets, strict=True)]
+            extent = [h - low for low, h in zip(lo, hi, strict=True)]
+            block, n = read_saved_block(f, at, saved, within, extent, where)
+            dest = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, offsets, strict=True))
+            out[dest].copy_(block)
+            read += n
+        return read
+
+    total = sum(math.prod(entries[n].size) * entries[n].properties.dtype.itemsize for n in params)
+    with contextlib.ExitStack() as stack:
+        return _fill_blocks(model, source, start, total, read_into)
 
 
 def _load_dcp_whole(model, path, source, params, start) -> LoadReport:
     """dcp.load of the model entry (every rank reads whole chunks); a collective."""
-    import warnings
-
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
     state = {"model": params}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")

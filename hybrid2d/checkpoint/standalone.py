@@ -15,9 +15,14 @@ from pathlib import Path
 import torch
 
 from hybrid2d.checkpoint import integrity, layout
-from hybrid2d.checkpoint.hf import model_config_from_hf
+from hybrid2d.checkpoint.hf import check_tensor_names, model_config_from_hf
 from hybrid2d.checkpoint.hf_safetensors import HFCheckpoint
-from hybrid2d.checkpoint.reader import iter_model_tensors, read_config, read_metadata
+from hybrid2d.checkpoint.reader import (
+    iter_model_tensors,
+    model_entries,
+    read_config,
+    read_metadata,
+)
 from hybrid2d.config import ConfigError, JobConfig, ModelConfig
 from hybrid2d.models.llama import Llama, rope_inv_freq
 
@@ -68,13 +73,17 @@ def model_config(src: Source) -> ModelConfig:
     return model_config_from_hf(hf, str(src.path / "config.json"))
 
 
-def _tensors(src: Source):
+def _tensors(src: Source, cfg: ModelConfig):
+    """(name, tensor) for the model's tensors one at a time, once every name and shape is
+    checked against cfg (before anything is read)."""
+    where = str(src.path)
     if src.kind == "dcp":
-        yield from iter_model_tensors(src.path, read_metadata(src.path))
+        meta = read_metadata(src.path)
+        found = {n: tuple(t.size) for n, t in model_entries(meta).items()}
+        yield from iter_model_tensors(src.path, meta, check_tensor_names(found, cfg, where))
         return
-
-    with HFCheckpoint(str(src.path)) as ckpt:
-        for name in ckpt.tensors:
+    with HFCheckpoint(where) as ckpt:
+        for name in check_tensor_names({n: t.shape for n, t in ckpt.tensors.items()}, cfg, where):
             yield name, ckpt.read(name)
 
 
@@ -83,23 +92,8 @@ def load_model(src: Source, dtype: torch.dtype = torch.float32) -> tuple[Llama, 
     cfg = model_config(src)
     with torch.device("meta"):
         model = Llama(cfg)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    state = {}
-    for name, tensor in _tensors(src):
-        if name.endswith("rotary_emb.inv_freq"):
-            continue
-        if name not in expected:
-            raise ConfigError(f"{src.path}: tensor {name} is not part of a Llama of its config")
-        if tuple(tensor.shape) != expected[name]:
-            raise ConfigError(
-                f"{src.path}: {name} has shape {list(tensor.shape)}, the config implies "
-                f"{list(expected[name])}"
-            )
-        state[name] = tensor.to(dtype)
-    missing = set(expected) - set(state) - ({"lm_head.weight"} if cfg.tie_embeddings else set())
-    if missing:
-        raise ConfigError(f"{src.path} lacks {sorted(missing)[0]}")
-    model.load_state_dict(state, strict=False, assign=True)
+    state = {name: tensor.to(dtype) for name, tensor in _tensors(src, cfg)}
+    model.load_state_dict(state, strict=False, assign=True)  # a tied lm_head may be absent
     model.inv_freq = rope_inv_freq(cfg)
     model.tie_weights()
     return model.eval(), cfg
