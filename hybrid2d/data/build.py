@@ -24,7 +24,7 @@ import torch
 from tokenizers import Tokenizer
 
 from hybrid2d.config import ConfigError, JobConfig
-from hybrid2d.data.cache import atomic_path, cache_key
+from hybrid2d.data.cache import atomic_path, cache_key, must_build, save_npy
 from hybrid2d.data.chat import load_chat_template
 from hybrid2d.data.corpus import corpus_identity, source_files
 from hybrid2d.data.instruct import (
@@ -36,8 +36,8 @@ from hybrid2d.data.instruct import (
 )
 from hybrid2d.data.loader import GlobalBatchLoader
 from hybrid2d.data.packing import PackedDataset
-from hybrid2d.data.tokenizer import find_tokenizer, tokenizer_hash
-from hybrid2d.data.tokens import find_tokens
+from hybrid2d.data.tokenizer import load_or_train_tokenizer, tokenizer_hash
+from hybrid2d.data.tokens import tokenize_corpus
 
 DEFAULT_CACHE_DIR = "~/.cache/hybrid2d"
 VAL_SPLIT_SEED = 1234  # the held-out part of data.path does not move with train.seed
@@ -76,20 +76,15 @@ class EvalSet:
     def batches(self, dp_rank: int, dp_size: int, micro_batch: int):
         n = len(self.dataset)
         per_rank = math.ceil(n / (dp_size * micro_batch)) * micro_batch
-        lo = dp_rank * per_rank
-        for start in range(lo, lo + per_rank, micro_batch):
-            idx = np.arange(start, start + micro_batch)
-            real = idx[idx < n]
-            if len(real) == len(idx):
-                yield self.dataset.gather(real)
-                continue
+        for start in range(dp_rank * per_rank, (dp_rank + 1) * per_rank, micro_batch):
+            real = np.arange(start, min(start + micro_batch, n))  # empty past the end
             inputs, labels = self.dataset.gather(real if len(real) else np.array([0]))
-            pad = len(idx) - len(real)
-            fill_in = inputs[:1].expand(pad, -1)
-            fill_lab = torch.full((pad, labels.shape[1]), IGNORE_INDEX, dtype=labels.dtype)
-            if not len(real):
-                inputs, labels = inputs[:0], labels[:0]
-            yield torch.cat([inputs, fill_in]), torch.cat([labels, fill_lab])
+            pad = micro_batch - len(real)
+            if pad:
+                fill = torch.full((pad, labels.shape[1]), IGNORE_INDEX, dtype=labels.dtype)
+                inputs = torch.cat([inputs[: len(real)], inputs[:1].expand(pad, -1)])
+                labels = torch.cat([labels[: len(real)], fill])
+            yield inputs, labels
 
 
 @dataclass
@@ -138,26 +133,16 @@ def _instruct_cache(
     )
     folder = cache_dir / "instruct" / key
     meta_path = folder / "meta.json"  # written last: its presence means the entry is complete
-    if not meta_path.exists():
-        if not build:
-            raise ConfigError(
-                f"data.cache_dir={str(cache_dir)!r} has no instruction cache {key} after "
-                "the main process built it; use a cache_dir every process can see"
-            )
+    names = ("tokens", "targets", "offsets")
+    if must_build(meta_path, build, cache_dir, f"instruction cache {key}"):
         ds = build_instruction_arrays(source_files(d), tok, template, cfg.train.seq_len, setting)
-        for name, array in (
-            ("tokens", ds.tokens),
-            ("targets", ds.targets_flat),
-            ("offsets", ds.offsets),
-        ):
-            with atomic_path(folder / f"{name}.npy") as tmp:
-                with open(tmp, "wb") as f:  # a file object: np.save would append .npy
-                    np.save(f, array)
+        for name, array in zip(names, (ds.tokens, ds.targets_flat, ds.offsets), strict=True):
+            save_npy(folder / f"{name}.npy", array)
         meta = {"pad_id": ds.pad_id, "seq_len": ds.seq_len, "stats": dataclasses.asdict(ds.stats)}
         with atomic_path(meta_path) as tmp:
             tmp.write_text(json.dumps(meta))
     meta = json.loads(meta_path.read_text())
-    arrays = [np.load(folder / f"{n}.npy", mmap_mode="r") for n in ("tokens", "targets", "offsets")]
+    arrays = [np.load(folder / f"{n}.npy", mmap_mode="r") for n in names]
     stats = InstructStats(**meta["stats"])
     return InstructionDataset(*arrays, meta["seq_len"], meta["pad_id"], stats)
 
@@ -168,22 +153,20 @@ def _dataset(cfg: JobConfig, d, tok: Tokenizer, cache_dir, setting: str, build: 
     if kind == "instruct":
         template = load_chat_template(cfg.data.tokenizer)
         return _instruct_cache(cfg, d, tok, template, cache_dir, setting, build), kind
-    tokens = find_tokens(d, tok, cache_dir, build=build)
+    tokens = tokenize_corpus(d, tok, cache_dir, build=build)
     return PackedDataset(tokens, cfg.train.seq_len, source=d.path), kind
 
 
 def _val_config(cfg: JobConfig):
-    """data.val_path as a DataConfig (its path in data.path's place), or None."""
+    """data.val_path as a DataConfig (its path in data.path's place) whose files exist, or None."""
     if not cfg.data.val_path:
         return None
-    return dataclasses.replace(cfg.data, path=cfg.data.val_path, val_path="", val_fraction=0.0)
-
-
-def _check_val_path(d) -> None:
+    d = dataclasses.replace(cfg.data, path=cfg.data.val_path, val_path="", val_fraction=0.0)
     try:
         source_files(d)
     except ConfigError as e:
         raise ConfigError(str(e).replace("data.path=", "data.val_path=", 1)) from None
+    return d
 
 
 def build_run_data(
@@ -193,21 +176,19 @@ def build_run_data(
     calls barrier())."""
     d, t = cfg.data, cfg.train
     cache_dir = cache_dir_for(cfg)
-    val_cfg = _val_config(cfg)
     # Cheap checks on every rank first, so a bad data.path fails everywhere at once instead of
     # leaving the other ranks waiting at the barrier for a main process that already died.
     source_files(d)
-    if val_cfg is not None:
-        _check_val_path(val_cfg)
+    val_cfg = _val_config(cfg)
     if d.tokenizer:
-        find_tokenizer(d, cfg.model.vocab_size, cache_dir, build=False)
+        load_or_train_tokenizer(d, cfg.model.vocab_size, cache_dir, build=False)
     if is_main:
-        tok = find_tokenizer(d, cfg.model.vocab_size, cache_dir, build=True)
+        tok = load_or_train_tokenizer(d, cfg.model.vocab_size, cache_dir)
         _dataset(cfg, d, tok, cache_dir, "data.path", build=True)
         if val_cfg is not None:
             _dataset(cfg, val_cfg, tok, cache_dir, "data.val_path", build=True)
     barrier()
-    tok = find_tokenizer(d, cfg.model.vocab_size, cache_dir, build=False)
+    tok = load_or_train_tokenizer(d, cfg.model.vocab_size, cache_dir, build=False)
     dataset, kind = _dataset(cfg, d, tok, cache_dir, "data.path", build=False)
     stats: dict = {}
     if kind == "instruct":

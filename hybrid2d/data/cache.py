@@ -14,6 +14,10 @@ import pathlib
 import tempfile
 from collections.abc import Iterator
 
+import numpy as np
+
+from hybrid2d.config import ConfigError
+
 
 def cache_key(*parts: object) -> str:
     """A short stable hash of the parts (their str())."""
@@ -37,3 +41,21 @@ def atomic_path(dest: pathlib.Path) -> Iterator[pathlib.Path]:
         os.replace(tmp_path, dest)
     finally:
         tmp_path.unlink(missing_ok=True)
+
+
+def save_npy(dest: pathlib.Path, array: np.ndarray) -> None:
+    with atomic_path(dest) as tmp, open(tmp, "wb") as f:  # np.save would append .npy to a name
+        np.save(f, array)
+
+
+def must_build(path: pathlib.Path, build: bool, cache_dir: pathlib.Path, what: str) -> bool:
+    """True if `path` is missing and this process builds it (`build`: the main process); to the
+    others, which read it after the main process built it, a missing path is an error."""
+    if path.exists():
+        return False
+    if not build:
+        raise ConfigError(
+            f"data.cache_dir={str(cache_dir)!r} has no {what} after the main process built it; "
+            "use a cache_dir every process can see"
+        )
+    return True

@@ -32,7 +32,7 @@ from tokenizers import Tokenizer
 
 from hybrid2d.config import ConfigError
 from hybrid2d.data.chat import ChatTemplate, TemplateRenderError
-from hybrid2d.data.tokenizer import eos_id
+from hybrid2d.data.tokenizer import eos_id, special_tokens_as_text
 
 IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant", "tool")
@@ -203,13 +203,9 @@ def encode_record(record, tok: Tokenizer, template: ChatTemplate | None, where: 
             raise _bad(where, "prompt and completion must both be strings")
         if not completion:
             raise _bad(where, "has no loss tokens (an empty completion)")
-        before = tok.encode_special_tokens
-        tok.encode_special_tokens = True  # text spelling a special token stays text
-        try:
+        with special_tokens_as_text(tok):
             p = tok.encode(prompt, add_special_tokens=False).ids if prompt else []
-            c = tok.encode(completion, add_special_tokens=False).ids if completion else []
-        finally:
-            tok.encode_special_tokens = before
+            c = tok.encode(completion, add_special_tokens=False).ids
         return p + c + [eos], [False] * len(p) + [True] * (len(c) + 1)
     raise _bad(where, f"has neither prompt/completion nor messages (keys: {sorted(record)})")
 

@@ -6,12 +6,13 @@ trains a usable tokenizer of exactly the model's vocabulary size in seconds, wit
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from hybrid2d.config import ConfigError, DataConfig, JobConfig
-from hybrid2d.data.cache import atomic_path, cache_key
+from hybrid2d.data.cache import atomic_path, cache_key, must_build
 from hybrid2d.data.corpus import corpus_documents, corpus_identity
 
 EOS_TOKEN = "<|endoftext|>"
@@ -20,25 +21,16 @@ EOS_TOKEN = "<|endoftext|>"
 EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>")
 
 
-def load_or_train_tokenizer(cfg: DataConfig, vocab_size: int, cache_dir: pathlib.Path) -> Tokenizer:
-    """cfg.tokenizer loaded, or a cached BPE of exactly vocab_size tokens trained on the corpus."""
-    return find_tokenizer(cfg, vocab_size, pathlib.Path(cache_dir), build=True)
-
-
-def find_tokenizer(
-    cfg: DataConfig, vocab_size: int, cache_dir: pathlib.Path, build: bool
+def load_or_train_tokenizer(
+    cfg: DataConfig, vocab_size: int, cache_dir: pathlib.Path, build: bool = True
 ) -> Tokenizer:
-    """The tokenizer for cfg; with build=False a missing cache entry is an error, not a job."""
+    """cfg.tokenizer loaded, or a cached BPE of exactly vocab_size tokens trained on the corpus;
+    with build=False a missing cache entry is an error, not a job."""
     if cfg.tokenizer:
         tok = _load_user_tokenizer(cfg.tokenizer)
     else:
-        path = trained_tokenizer_path(cfg, vocab_size, cache_dir)
-        if not path.exists():
-            if not build:
-                raise ConfigError(
-                    f"data.cache_dir={str(cache_dir)!r} has no trained tokenizer {path.name} after "
-                    "the main process built it; use a cache_dir every process can see"
-                )
+        path = trained_tokenizer_path(cfg, vocab_size, pathlib.Path(cache_dir))
+        if must_build(path, build, cache_dir, f"trained tokenizer {path.name}"):
             with atomic_path(path) as tmp:
                 train_bpe(corpus_documents(cfg), vocab_size).save(str(tmp))
         # Loading what was saved (also right after training) makes every process hash and use
@@ -124,6 +116,18 @@ def eos_id(tok: Tokenizer) -> int:
         f"data.tokenizer has none of the end-of-text tokens {list(EOS_CANDIDATES)}; "
         "use a tokenizer that defines one, or '' to train a BPE"
     )
+
+
+@contextlib.contextmanager
+def special_tokens_as_text(tok: Tokenizer):
+    """Encode text that spells a special token ("<|endoftext|>" inside a document) as text: it
+    must not become a real document boundary. The caller's setting is restored afterwards."""
+    before = tok.encode_special_tokens
+    tok.encode_special_tokens = True
+    try:
+        yield
+    finally:
+        tok.encode_special_tokens = before
 
 
 def tokenizer_hash(tok: Tokenizer) -> str:
