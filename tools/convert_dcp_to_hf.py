@@ -30,26 +30,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
 
-    from hybrid2d.checkpoint.hf_convert import convert_dcp_to_hf, parse_dtype
-    from hybrid2d.config import ConfigError
+    from hybrid2d.checkpoint.hf_convert import convert_dcp_to_hf, parse_dtype, run_tool
     from hybrid2d.sizes import parse_size
 
-    try:
-        summary = convert_dcp_to_hf(
-            args.src,
-            args.dst,
-            parse_size(args.max_shard_size, "--max-shard-size"),
-            parse_dtype(args.dtype),
-            progress=not args.no_progress,
-        )
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(summary.lines(f"exported {args.src} -> {args.dst} (Hugging Face safetensors)"))
-    return 0
+    def work() -> str:
+        cap = parse_size(args.max_shard_size, "--max-shard-size")
+        dtype = parse_dtype(args.dtype)
+        summary = convert_dcp_to_hf(args.src, args.dst, cap, dtype, progress=not args.no_progress)
+        return summary.lines(f"exported {args.src} -> {args.dst} (Hugging Face safetensors)")
+
+    return run_tool(work)
 
 
 if __name__ == "__main__":

@@ -24,21 +24,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
 
-    from hybrid2d.checkpoint.hf_convert import convert_hf_to_dcp, parse_dtype
-    from hybrid2d.config import ConfigError
+    from hybrid2d.checkpoint.hf_convert import convert_hf_to_dcp, parse_dtype, run_tool
 
-    try:
-        summary = convert_hf_to_dcp(
-            args.src, args.dst, parse_dtype(args.dtype), progress=not args.no_progress
-        )
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(summary.lines(f"converted {args.src} -> {args.dst} (DCP)"))
-    return 0
+    def work() -> str:
+        dtype = parse_dtype(args.dtype)
+        summary = convert_hf_to_dcp(args.src, args.dst, dtype, progress=not args.no_progress)
+        return summary.lines(f"converted {args.src} -> {args.dst} (DCP)")
+
+    return run_tool(work)
 
 
 if __name__ == "__main__":

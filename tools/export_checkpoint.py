@@ -39,11 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
 
     from hybrid2d.checkpoint import layout, standalone
-    from hybrid2d.checkpoint.hf_convert import convert_dcp_to_hf, parse_dtype
+    from hybrid2d.checkpoint.hf_convert import convert_dcp_to_hf, parse_dtype, run_tool
     from hybrid2d.config import ConfigError
     from hybrid2d.sizes import parse_size
 
-    try:
+    def work() -> str:
         if args.dtype.lower() not in ("fp32", "float32", "bf16", "bfloat16"):
             raise ConfigError(f"--dtype {args.dtype!r} is not one of fp32, bf16")
         src = standalone.locate(args.checkpoint)
@@ -62,14 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         shutil.copyfile(
             src.path / layout.CONFIG, os.path.join(args.out, standalone.HYBRID2D_CONFIG)
         )
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(summary.lines(f"exported {src.path} -> {args.out}"))
-    return 0
+        return summary.lines(f"exported {src.path} -> {args.out}")
+
+    return run_tool(work)
 
 
 if __name__ == "__main__":

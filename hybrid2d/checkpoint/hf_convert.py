@@ -19,9 +19,11 @@ import contextlib
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +48,7 @@ from hybrid2d.checkpoint.hf_safetensors import (
     write_safetensors,
 )
 from hybrid2d.checkpoint.reader import iter_model_tensors
-from hybrid2d.config import JobConfig, ModelConfig
+from hybrid2d.config import ConfigError, JobConfig, ModelConfig
 
 HF_CONFIG_COPY = "hf_config.json"  # the source's HF config.json, kept verbatim in a DCP dir
 DTYPE_ALIASES = {
@@ -57,6 +59,17 @@ DTYPE_ALIASES = {
     "fp16": torch.float16,
     "float16": torch.float16,
 }
+
+
+def run_tool(work: Callable[[], str]) -> int:
+    """A tool's exit status: 0 after printing what `work` returns; bad input (ConfigError) is
+    one `error:` line and 2, an I/O error one line and 1."""
+    try:
+        print(work())
+    except (ConfigError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 1
+    return 0
 
 
 def parse_dtype(text: str | None) -> torch.dtype | None:
@@ -85,20 +98,17 @@ class PeakMemory:
     """Growth of the resident set's peak over a block of work, in bytes."""
 
     def __enter__(self) -> PeakMemory:
-        self.method = "VmHWM"
+        self.method, self.growth = "VmHWM", 0
+        self._stop, self._thread = threading.Event(), None
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
         except OSError:
             self.method = "sampled RSS"
-        self.base = self._rss()
-        self._peak = self.base
-        self._stop = threading.Event()
-        self._thread = None
-        if self.method != "VmHWM":
             self._thread = threading.Thread(target=self._sample, daemon=True)
+        self.base = self._peak = self._rss()
+        if self._thread is not None:
             self._thread.start()
-        self.growth = 0
         return self
 
     def _rss(self) -> int:
@@ -265,24 +275,21 @@ def _export_hf_config(src: str) -> tuple[ModelConfig, dict | None]:
     """(model config, source HF config.json or None) for a DCP directory."""
     hf_path = os.path.join(src, HF_CONFIG_COPY)
     saved = read_saved_model_config(src)
-    hf = None
-    if os.path.isfile(hf_path):
-        with open(hf_path) as f:
-            hf = json.load(f)
-        cfg = model_config_from_hf(hf, hf_path)
-        if saved is not None:
-            bad = config_mismatch(cfg, saved)
-            if bad:
-                name, key, a, b = bad
-                raise CheckpointError(
-                    f"{src}: {HF_CONFIG_COPY} {key}={a} disagrees with config.json model.{name}={b}"
-                )
-    elif saved is not None:
-        cfg = saved
-    else:
+    if not os.path.isfile(hf_path):
+        if saved is None:
+            raise CheckpointError(
+                f"{src} has no config.json with a model section (nor {HF_CONFIG_COPY}); cannot "
+                "write a Hugging Face config"
+            )
+        return saved, None
+    with open(hf_path) as f:
+        hf = json.load(f)
+    cfg = model_config_from_hf(hf, hf_path)
+    bad = config_mismatch(cfg, saved) if saved is not None else ()
+    if bad:
+        name, key, a, b = bad
         raise CheckpointError(
-            f"{src} has no config.json with a model section (nor {HF_CONFIG_COPY}); cannot "
-            "write a Hugging Face config"
+            f"{src}: {HF_CONFIG_COPY} {key}={a} disagrees with config.json model.{name}={b}"
         )
     return cfg, hf
 

@@ -64,17 +64,23 @@ AUX_FILES = (
 
 
 @dataclass(frozen=True)
-class TensorInfo:
+class TensorSpec:
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
-    start: int  # absolute byte offset of the data in the file
-    nbytes: int
-    path: str
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class TensorInfo(TensorSpec):
+    start: int = 0  # absolute byte offset of the data in the file
 
 
 def _read_exact(f, offset: int, out: memoryview, what: str) -> None:
@@ -115,7 +121,7 @@ class SafetensorsFile:
             header = json.loads(self._f.read(n))
         except (ValueError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{path} has a malformed safetensors header ({e})") from None
-        self.metadata = header.pop("__metadata__", None) or {}
+        header.pop("__metadata__", None)
         base = 8 + n
         self.tensors: dict[str, TensorInfo] = {}
         for name, entry in header.items():
@@ -127,13 +133,13 @@ class SafetensorsFile:
                 )
             shape = tuple(int(s) for s in entry["shape"])
             lo, hi = (int(x) for x in entry["data_offsets"])
-            nbytes = math.prod(shape) * dtype.itemsize
-            if hi - lo != nbytes or base + hi > size:
+            info = TensorInfo(name, dtype, shape, base + lo)
+            if hi - lo != info.nbytes or base + hi > size:
                 raise CheckpointError(
                     f"{path}: tensor {name} byte range [{lo}, {hi}) does not fit shape "
                     f"{list(shape)} {entry['dtype']} or the file size {size}"
                 )
-            self.tensors[name] = TensorInfo(name, dtype, shape, base + lo, nbytes, path)
+            self.tensors[name] = info
 
     def close(self) -> None:
         self._f.close()
@@ -284,17 +290,6 @@ class HFCheckpoint:
 
 
 # ---- writing ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def plan_shards(specs: Iterable[TensorSpec], max_bytes: int) -> list[list[TensorSpec]]:
