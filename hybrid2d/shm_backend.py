@@ -62,34 +62,26 @@ _MESSAGE_BYTES = 4096  # set-up messages exchanged over the inner gloo group
 _SETTINGS = ("auto", "on", "off")
 _setting = "auto"
 
-# Header codes. The op names are what a mismatch error prints.
+_FLOATING = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_REDUCIBLE = (*_FLOATING, torch.int64, torch.int32)
+_DTYPES = (*_REDUCIBLE, torch.int16, torch.int8, torch.uint8, torch.bool)
+_DTYPE_CODES = {dt: i + 1 for i, dt in enumerate(_DTYPES)}
+
+# Header op codes, and for each the name a mismatch error prints, the dtypes shared memory
+# serves (an integer average goes to gloo, which rounds it its own way) and the c10d op it
+# stands for (see DISPATCH_OPS).
 _ALL_GATHER = 1
 _REDUCE_SCATTER_SUM = 2
 _REDUCE_SCATTER_AVG = 3
 _ALL_REDUCE_SUM = 4
 _ALL_REDUCE_MAX = 5
-_OP_NAMES = {
-    _ALL_GATHER: "all_gather",
-    _REDUCE_SCATTER_SUM: "reduce_scatter",
-    _REDUCE_SCATTER_AVG: "reduce_scatter(avg)",
-    _ALL_REDUCE_SUM: "all_reduce",
-    _ALL_REDUCE_MAX: "all_reduce(max)",
+_OPS = {
+    _ALL_GATHER: ("all_gather", _DTYPES, "_allgather_base_"),
+    _REDUCE_SCATTER_SUM: ("reduce_scatter", _REDUCIBLE, "_reduce_scatter_base_"),
+    _REDUCE_SCATTER_AVG: ("reduce_scatter(avg)", _FLOATING, "_reduce_scatter_base_"),
+    _ALL_REDUCE_SUM: ("all_reduce", _REDUCIBLE, "allreduce_"),
+    _ALL_REDUCE_MAX: ("all_reduce(max)", _REDUCIBLE, "allreduce_"),
 }
-_DTYPES = [
-    torch.float32,
-    torch.bfloat16,
-    torch.float16,
-    torch.float64,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-]
-_DTYPE_CODES = {dt: i + 1 for i, dt in enumerate(_DTYPES)}
-_REDUCIBLE = {torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32}
-_FLOATING = {torch.float32, torch.bfloat16, torch.float16, torch.float64}
 _RS_OPS = {dist.ReduceOp.SUM: _REDUCE_SCATTER_SUM, dist.ReduceOp.AVG: _REDUCE_SCATTER_AVG}
 _AR_OPS = {dist.ReduceOp.SUM: _ALL_REDUCE_SUM, dist.ReduceOp.MAX: _ALL_REDUCE_MAX}
 _FIELDS = struct.Struct("<qqqq")  # op, dtype, numel, grow (written before the generation)
@@ -103,6 +95,10 @@ _FENCE = threading.Lock()
 
 def _setup_point(name: str) -> None:
     """Marks each step of a set-up; tests replace it to kill a rank there."""
+
+
+class _Unavailable(Exception):
+    """Shared memory cannot serve this group; the message is the same on every rank."""
 
 
 # ---- settings and registration -----------------------------------------------------------------
@@ -121,9 +117,10 @@ def configure(setting: str) -> None:
 
 
 def register() -> None:
-    """Make `BACKEND` known to torch.distributed (idempotent)."""
+    """Make `BACKEND` known to torch.distributed (idempotent). torch constructs a
+    `ShmProcessGroup` on the members of each new group with this backend, all at once."""
     if getattr(dist.Backend, BACKEND.upper(), None) is None:
-        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+        dist.Backend.register_backend(BACKEND, ShmProcessGroup, extended_api=True, devices=["cpu"])
 
 
 def unavailable_reason() -> str | None:
@@ -144,113 +141,66 @@ def unavailable_reason() -> str | None:
 
 def uses_shared_memory(group: dist.ProcessGroup | None = None) -> bool:
     """Whether `group` (default: the default group) serves collectives through shared memory."""
-    pg = _group(group)
+    pg = group or dist.group.WORLD
     return isinstance(pg, ShmProcessGroup) and pg._shm is not None
 
 
 def fallback_reason(group: dist.ProcessGroup | None = None) -> str | None:
     """Why `group` delegates everything to gloo (None when it uses shared memory)."""
-    pg = _group(group)
-    if not isinstance(pg, ShmProcessGroup):
-        return f"not a {BACKEND} group"
-    return pg._fallback
+    pg = group or dist.group.WORLD
+    return pg._fallback if isinstance(pg, ShmProcessGroup) else f"not a {BACKEND} group"
 
 
 def collective_count(group: dist.ProcessGroup | None = None) -> int:
     """Collectives this rank has served through shared memory in `group` (its generation)."""
-    pg = _group(group)
+    pg = group or dist.group.WORLD
     return pg._shm.generation if isinstance(pg, ShmProcessGroup) and pg._shm else 0
 
 
-def _group(group):
-    return group if group is not None else dist.group.WORLD
-
-
-def _create(opts, backend_options) -> ShmProcessGroup:
-    # torch calls this on the members of each new group with this backend, all at once.
-    return ShmProcessGroup(
-        opts.store,
-        opts.group_rank,
-        opts.group_size,
-        opts.timeout,
-        list(opts.global_ranks_in_group) or list(range(opts.group_size)),
-        opts.group_id,
+def _on_error(reason: str) -> str:
+    return (
+        f"parallel.shm_collectives=on but shared memory is unavailable: {reason}; "
+        "use auto (falls back to the process group) or off"
     )
 
 
-def _completed_work() -> dist.Work:
-    """A finished Work, returned by every shared-memory collective (they end before returning).
-
-    The one public way is a Python `dist.Work` subclass, whose is_completed() stays False;
-    `_create_work_from_future` gives a C++ work that reports done. Move to a public constructor
-    when torch has one.
-    """
-    make = getattr(torch._C._distributed_c10d, "_create_work_from_future", None)
-    if make is not None:
-        future = torch.futures.Future()
-        future.set_result(None)
-        return make(future)
-
-    class _Done(dist.Work):
-        def wait(self, timeout=None):
-            return True
-
-    return _Done()
-
-
-_DONE = _completed_work()
+# A finished Work, returned by every shared-memory collective (they end before returning). A
+# Python `dist.Work` subclass would be the public way, but its is_completed() stays False;
+# `_create_work_from_future` gives a C++ work that reports done. Move to a public constructor
+# when torch has one.
+_finished = torch.futures.Future()
+_finished.set_result(None)
+_DONE = torch._C._distributed_c10d._create_work_from_future(_finished)
 
 # ---- visible to dispatch modes ---------------------------------------------------------------
 #
 # gloo's collectives reach the dispatcher as c10d ops (c10d._allgather_base_, ...), which is how
 # CommDebugMode and other TorchDispatchModes see them; a Python process group's methods are
-# plain calls. So while such a mode is active, the shared-memory path runs as these ops instead
-# (same transport, so every rank still does the same): add `DISPATCH_OPS` to a CommDebugMode's
-# comm_registry to count them. Each returns whether shared memory served the call (False: the
-# caller falls back to gloo). Without a mode the path costs one C call to check.
+# plain calls. So while such a mode is active, the shared-memory path runs as ops of the same
+# names in this library (same transport, so every rank still does the same): add
+# `DISPATCH_OPS` to a CommDebugMode's comm_registry to count them. Each takes (output, input,
+# header op code, group name), as the c10d op takes (output, input, ...), and returns whether
+# shared memory served the call (False: the caller falls back to gloo). Without a mode the path
+# costs one C call to check.
 
 _GROUPS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # group name -> group
 _lib = torch.library.Library(BACKEND, "DEF")
-_lib.define("_allgather_base_(Tensor(a!) output_tensor, Tensor input_tensor, str group) -> bool")
-_lib.define(
-    "_reduce_scatter_base_(Tensor(a!) output_tensor, Tensor input_tensor, int op, str group) "
-    "-> bool"
-)
-_lib.define("allreduce_(Tensor(a!) tensor, int op, str group) -> bool")
 # torch._C._len_torch_dispatch_stack: the public way, torch.utils._python_dispatch's
 # _get_current_dispatch_mode, is private as well and costs more.
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 
 
-def _all_gather_kernel(output, input, group):
-    return _GROUPS[group]._shm.run(_ALL_GATHER, input, output)
-
-
-def _reduce_scatter_kernel(output, input, op, group):
+def _kernel(output, input, op, group):
     return _GROUPS[group]._shm.run(op, input, output)
 
 
-def _all_reduce_kernel(tensor, op, group):
-    return _GROUPS[group]._shm.run(op, tensor, tensor.view(-1))
-
-
-_lib.impl("_allgather_base_", _all_gather_kernel, "CPU")
-_lib.impl("_reduce_scatter_base_", _reduce_scatter_kernel, "CPU")
-_lib.impl("allreduce_", _all_reduce_kernel, "CPU")
-
-
-class _ops:
-    all_gather = torch.ops.hybrid2d_shm._allgather_base_
-    reduce_scatter = torch.ops.hybrid2d_shm._reduce_scatter_base_
-    all_reduce = torch.ops.hybrid2d_shm.allreduce_
-
-
+_NAMES = ("_allgather_base_", "_reduce_scatter_base_", "allreduce_")  # those of c10d's ops
+for _name in _NAMES:
+    _lib.define(f"{_name}(Tensor(a!) output, Tensor input, int op, str group) -> bool")
+    _lib.impl(_name, _kernel, "CPU")
+_ns = getattr(torch.ops, BACKEND)
 # Each dispatcher op, and the c10d op gloo would have shown in its place (for reports).
-DISPATCH_OPS = {
-    _ops.all_gather: "c10d._allgather_base_",
-    _ops.reduce_scatter: "c10d._reduce_scatter_base_",
-    _ops.all_reduce: "c10d.allreduce_",
-}
+DISPATCH_OPS = {getattr(_ns, name): f"c10d.{name}" for name in _NAMES}
 
 
 # ---- processes -----------------------------------------------------------------------------------
@@ -275,22 +225,16 @@ def _host_id() -> str:
         return platform.node()
 
 
-def _pid_namespace() -> int | None:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return None
-
-
 def _identity(fd: int) -> list[int]:
     st = os.fstat(fd)
     return [st.st_dev, st.st_ino]
 
 
-def _open_peer_fd(pid: int, fd: int, flags: int, identity: list[int]) -> int:
-    """Open another process's descriptor through /proc and check it is the object it named."""
+def _open_shared_fd(flags: int, pid: int, fd: int, *identity: int) -> int:
+    """Open a descriptor a process shared, through /proc, and check it is the object it named
+    (a pid of another PID namespace or a reused one names something else or nothing)."""
     opened = os.open(f"/proc/{pid}/fd/{fd}", flags | os.O_CLOEXEC)
-    if _identity(opened) != identity:
+    if _identity(opened) != list(identity):
         os.close(opened)
         raise OSError(f"/proc/{pid}/fd/{fd} is not the object that process shared")
     return opened
@@ -299,45 +243,10 @@ def _open_peer_fd(pid: int, fd: int, flags: int, identity: list[int]) -> int:
 # ---- the shared segment --------------------------------------------------------------------------
 
 
-class _Segment:
-    """One mapping of a group's segment: 2 x n header lines ([parity][rank]), n sleep lines (the
-    generation a rank sleeps waiting for), then 2 x n slots ([parity][rank])."""
-
-    def __init__(self, mm: mmap.mmap, n: int, slot: int):
-        self.mm = mm
-        self.n = n
-        self.slot = slot
-        self.sleep_offset = 2 * n * _LINE
-        self.data_offset = 3 * n * _LINE
-        self.bytes = torch.frombuffer(mm, dtype=torch.uint8)
-        self.typed: dict[torch.dtype, torch.Tensor] = {}
-        self.views: dict[tuple, tuple] = {}
-
-    @staticmethod
-    def size(n: int, slot: int) -> int:
-        return 3 * n * _LINE + 2 * n * slot
-
-    def slot_view(self, dtype: torch.dtype, parity: int, rank: int, numel: int) -> torch.Tensor:
-        base = self.typed.get(dtype)
-        if base is None:
-            base = self.typed[dtype] = self.bytes.view(dtype)
-        start = (self.data_offset + (parity * self.n + rank) * self.slot) // base.element_size()
-        return base[start : start + numel]
-
-    def close(self) -> None:
-        self.views.clear()
-        self.typed.clear()
-        self.bytes = None
-        try:
-            self.mm.close()
-        except BufferError:  # a view escaped: the mapping goes with its last user
-            pass
-
-
 class _Transport:
     """Shared-memory exchange between the ranks of one group (see the module docstring)."""
 
-    def __init__(self, pg: ShmProcessGroup, read_fd: int, write_fd: int, peers: list, segment):
+    def __init__(self, pg: ShmProcessGroup, read_fd: int, write_fd: int, peers: list):
         self.pg = weakref.proxy(pg)  # no cycle: the group goes when its last user lets go
         self.n = pg._size
         self.rank = pg._rank
@@ -345,41 +254,54 @@ class _Transport:
         self.write_fd = write_fd  # kept open: our pipe never reads as end-of-file
         self.peer_fds: list[tuple[int, int]] = []  # (group rank, write end of its pipe)
         self.peers = peers  # [(pid, start time)] by group rank
-        self.seg: _Segment = segment
+        self.mm: mmap.mmap | None = None  # the segment, with `slot` bytes per slot (see map)
         self.generation = 0
         self.broken: str | None = None
         self.poll = select.poll()
         self.poll.register(read_fd, select.POLLIN)
         self.lines = struct.Struct("<" + "qqqqq24x" * self.n)
         self.sleepers = struct.Struct("<" + "q56x" * self.n)
+        self.sleep_offset = 2 * self.n * _LINE
         self.cap = SLOT_CAP_BYTES
-        self.quiet_sleeps = 0  # waits that slept a whole _LIVENESS_S (a slow or lost peer)
+
+    def map(self, mm: mmap.mmap, slot: int) -> None:
+        """Serve from `mm`, the group's segment with `slot` bytes per slot (a new one after a
+        growth: every peer moved with us)."""
+        if self.mm is not None:
+            self.unmap()
+        self.mm, self.slot = mm, slot
+        self.bytes = torch.frombuffer(mm, dtype=torch.uint8)
+        self.cache: dict[tuple, tuple] = {}  # collective shape -> views (see views)
+
+    def unmap(self) -> None:
+        self.cache.clear()
+        self.bytes = None
+        try:
+            self.mm.close()
+        except BufferError:  # a view escaped: the mapping goes with its last user
+            pass
 
     # ---- one collective ------------------------------------------------------------------------
 
     def views(self, kind: int, dtype: torch.dtype, numel: int, parity: int) -> tuple:
         """(own slot, peers' data) for one collective shape, cached."""
         key = (kind, dtype, numel, parity)
-        v = self.seg.views.get(key)
-        if v is not None:
-            return v
-        seg, n, r = self.seg, self.n, self.rank
-        own = seg.slot_view(dtype, parity, r, numel)
-        if kind == _ALL_GATHER:  # every slot as one [n, numel] view; those before/after ours
-            first = seg.slot_view(dtype, parity, 0, numel)
-            every = first.as_strided((n, numel), (seg.slot // own.element_size(), 1))
-            peers = (every, every[:r], every[r + 1 :])
-        elif kind in (_REDUCE_SCATTER_SUM, _REDUCE_SCATTER_AVG):  # this rank's chunk of each
-            chunk = numel // n
-            peers = tuple(
-                seg.slot_view(dtype, parity, q, numel)[r * chunk : (r + 1) * chunk]
-                for q in range(n)
-            )
-        else:
-            peers = tuple(seg.slot_view(dtype, parity, q, numel) for q in range(n))
-        if len(seg.views) > 256:
-            seg.views.clear()
-        v = seg.views[key] = (own, peers)
+        v = self.cache.get(key)
+        if v is None:
+            n, r = self.n, self.rank
+            base = self.bytes.view(dtype)
+            stride = self.slot // base.element_size()  # from one slot to the next
+            first = (3 * n * _LINE) // base.element_size() + parity * n * stride
+            every = base[first:].as_strided((n, numel), (stride, 1))  # the n slots
+            if kind == _ALL_GATHER:  # all slots; those before and after ours
+                peers = (every, every[:r], every[r + 1 :])
+            elif kind in (_REDUCE_SCATTER_SUM, _REDUCE_SCATTER_AVG):  # our chunk of each
+                peers = tuple(every[:, r * numel // n : (r + 1) * numel // n])
+            else:
+                peers = tuple(every)
+            if len(self.cache) > 256:
+                self.cache.clear()
+            v = self.cache[key] = (every[r], peers)
         return v
 
     def run(self, kind: int, inp: torch.Tensor, out: torch.Tensor) -> bool:
@@ -388,7 +310,7 @@ class _Transport:
             raise RuntimeError(self.broken)
         numel = inp.numel()
         nbytes = numel * inp.element_size()
-        if nbytes > self.seg.slot:
+        if nbytes > self.slot:
             if nbytes > self.cap:
                 return False
             self.exchange(kind, inp.dtype, numel, grow=1)
@@ -408,7 +330,10 @@ class _Transport:
                     rows[:r].copy_(peers[1])
                 if r + 1 < self.n:
                     rows[r + 1 :].copy_(peers[2])
-        elif kind == _ALL_REDUCE_MAX:
+            return True
+        if out.dim() != 1:
+            out = out.view(-1)
+        if kind == _ALL_REDUCE_MAX:
             torch.maximum(peers[0], peers[1], out=out)
             for p in peers[2:]:
                 torch.maximum(out, p, out=out)
@@ -424,7 +349,7 @@ class _Transport:
         """Post this rank's header for the next generation, wait for every peer's, compare."""
         g = self.generation = self.generation + 1
         parity = g & 1
-        mm = self.seg.mm
+        mm = self.mm
         line = (parity * self.n + self.rank) * _LINE
         code = _DTYPE_CODES[dtype]
         _FIELDS.pack_into(mm, line + 8, kind, code, numel, grow)
@@ -434,94 +359,78 @@ class _Transport:
         # before its last look at ours: one of the two sees the other.
         _FENCE.acquire()
         _FENCE.release()
-        sleeping = self.sleepers.unpack_from(mm, self.seg.sleep_offset)
+        sleeping = self.sleepers.unpack_from(mm, self.sleep_offset)
         for q, fd in self.peer_fds:
             if sleeping[q] == g:
+                # A full pipe: that peer wakes anyway; a broken one: a wait names the lost peer.
                 try:
                     os.write(fd, b"\0")
-                except BlockingIOError:  # a full pipe: that peer will wake anyway
-                    pass
-                except BrokenPipeError:  # that peer is gone: a wait names it
+                except (BlockingIOError, BrokenPipeError):
                     pass
         expected = (g, kind, code, numel, grow) * self.n
         offset = parity * self.n * _LINE
-        seen = self.lines.unpack_from(mm, offset)
-        if seen != expected:
-            self.wait(g, expected, offset, seen)
+        if self.lines.unpack_from(mm, offset) != expected:
+            self.wait(g, expected, offset)
 
-    def wait(self, g: int, expected: tuple, offset: int, seen: tuple) -> None:
-        deadline = None
+    def wait(self, g: int, expected: tuple, offset: int) -> None:
+        """Until every peer posted generation g: raise on a mismatch, a timeout, a dead peer."""
+        # Announce the sleep, then look again (see exchange).
+        _GENERATION.pack_into(self.mm, self.sleep_offset + self.rank * _LINE, g)
+        _FENCE.acquire()
+        _FENCE.release()
+        deadline = time.monotonic() + self.pg._timeout_s
         slept_through = False  # a whole _LIVENESS_S passed without a wake-up
-        announced = False
-        while seen != expected:
+        while (seen := self.lines.unpack_from(self.mm, offset)) != expected:
             behind = []
             for q in range(self.n):
                 if seen[5 * q] != g:
                     behind.append(q)
                 elif seen[5 * q : 5 * q + 5] != expected[:5]:
-                    self.fail(self.mismatch(g, expected, seen, q))
-            if not behind:
-                break
+                    self.fail(
+                        f"shared-memory collective {g} mismatch: this rank "
+                        f"{_describe_call(expected[1:5])}, group rank {q} "
+                        f"{_describe_call(seen[5 * q + 1 : 5 * q + 5])}"
+                    )
             now = time.monotonic()
-            if deadline is None:
-                deadline = now + self.pg._timeout_s
             if now >= deadline:
                 self.fail(
-                    f"rank {self.pg._global_rank}: shared-memory collective {g} "
-                    f"({_describe_call(expected[1:5])}) timed out after "
-                    f"{self.pg._timeout_s:.0f} s waiting for group ranks {behind} "
+                    f"shared-memory collective {g} ({_describe_call(expected[1:5])}) timed out "
+                    f"after {self.pg._timeout_s:.0f} s waiting for group ranks {behind} "
                     f"(ranks {[self.pg._global_ranks[q] for q in behind]})"
                 )
-            if not announced:  # announce the sleep, then look once more (see exchange)
-                _GENERATION.pack_into(self.seg.mm, self.seg.sleep_offset + self.rank * _LINE, g)
-                _FENCE.acquire()
-                _FENCE.release()
-                announced = True
-                seen = self.lines.unpack_from(self.seg.mm, offset)
-                continue
             if slept_through:  # reading /proc costs more than most waits last
                 for q in behind:
                     pid, start = self.peers[q]
                     if _start_time(pid) != start:
                         self.fail(
-                            f"rank {self.pg._global_rank}: group rank {q} (rank "
-                            f"{self.pg._global_ranks[q]}, pid {pid}) exited during "
-                            f"shared-memory collective {g}"
+                            f"group rank {q} (rank {self.pg._global_ranks[q]}, pid {pid}) "
+                            f"exited during shared-memory collective {g}"
                         )
             ready = self.poll.poll(min(deadline - now, _LIVENESS_S) * 1000)
             slept_through = not ready
-            self.quiet_sleeps += slept_through
             if ready:
                 try:
                     os.read(self.read_fd, 65536)
                 except BlockingIOError:
                     pass
-            seen = self.lines.unpack_from(self.seg.mm, offset)
 
-    def mismatch(self, g: int, expected: tuple, seen: tuple, q: int) -> str:
-        theirs = _describe_call(seen[5 * q + 1 : 5 * q + 5])
-        return (
-            f"rank {self.pg._global_rank}: shared-memory collective {g} mismatch: this rank "
-            f"{_describe_call(expected[1:5])}, group rank {q} {theirs}"
-        )
-
-    def fail(self, message: str):
-        self.broken = message
-        raise RuntimeError(message)
+    def fail(self, what: str):
+        """Raise `what` for this rank; the group is broken from now on."""
+        self.broken = f"rank {self.pg._global_rank}: {what}"
+        raise RuntimeError(self.broken)
 
     def grow(self, needed: int) -> bool:
         """Every rank asked for `needed` bytes: a new segment with bigger slots (over gloo).
         False when it could not be made (the group then serves larger inputs through gloo)."""
-        slot = min(self.cap, max(2 * self.seg.slot, 1 << (needed - 1).bit_length()))
+        slot = min(self.cap, max(2 * self.slot, 1 << (needed - 1).bit_length()))
         slot = -(-slot // _LINE) * _LINE  # every dtype's view of a slot stays aligned
-        segment, error = self.pg._handshake_segment(slot, self.peers, "grow")
-        if segment is None:
+        try:
+            self.map(self.pg._share_segment(slot, "grow"), slot)
+        except _Unavailable as e:
             if _setting == "on":
-                raise ConfigError(_on_error(error))
-            self.cap = self.seg.slot
+                raise ConfigError(_on_error(str(e))) from None
+            self.cap = self.slot
             return False
-        self.seg.close()
-        self.seg = segment
         return True
 
     def close(self) -> None:
@@ -531,108 +440,75 @@ class _Transport:
             except OSError:
                 pass
         self.peer_fds = []
-        self.seg.close()
+        if self.mm is not None:
+            self.unmap()
 
 
 def _describe_call(fields) -> str:
     """(op, dtype code, numel, grow) of a slot header as "all_gather float32[1024]"."""
     kind, code, numel, grow = fields
-    op = _OP_NAMES.get(kind, f"op {kind}")
-    dtype = str(_DTYPES[code - 1]).removeprefix("torch.") if 0 < code <= len(_DTYPES) else code
-    return f"{op} {dtype}[{numel}]" + (" (growing)" if grow else "")
-
-
-def _on_error(reason: str | None) -> str:
-    return (
-        f"parallel.shm_collectives=on but shared memory is unavailable: {reason}; "
-        "use auto (falls back to the process group) or off"
-    )
+    dtype = str(_DTYPES[code - 1]).removeprefix("torch.")
+    return f"{_OPS[kind][0]} {dtype}[{numel}]" + (" (growing)" if grow else "")
 
 
 # ---- the process group ---------------------------------------------------------------------------
 
 
-def _delegate(name: str):
-    def method(self, *args, **kwargs):
-        return getattr(self._gloo_group(), name)(*args, **kwargs)
-
-    method.__name__ = name
-    method.__doc__ = f"ProcessGroup.{name}, served by the inner gloo group."
-    return method
-
-
 class ShmProcessGroup(dist.ProcessGroup):
     """A process group that serves flat all-gather, reduce-scatter and all-reduce of CPU tensors
-    through shared memory and delegates every other call to an inner gloo group."""
+    through shared memory and delegates every other call to an inner gloo group.
 
-    def __init__(self, store, rank, size, timeout, global_ranks, group_name):
+    torch reaches a Python process group two ways: Python calls its methods by name
+    (`dist.all_gather_into_tensor` -> `all_gather_single`), and C++ calls the virtuals its
+    trampoline forwards to Python (functional collectives -> `all_gather_single_coalesced`,
+    DeviceMesh -> `getGroupName`). The methods below are those names, once each.
+    """
+
+    def __init__(self, opts, backend_options=None):
+        """From torch's `_DistributedBackendOptions` (see `register`)."""
+        rank, size, timeout = opts.group_rank, opts.group_size, opts.timeout
         super().__init__(rank, size)
         self._rank, self._size = rank, size
         self._timeout_s = timeout.total_seconds()
-        self._global_ranks = global_ranks
-        self._global_rank = global_ranks[rank]
-        self._name = group_name
-        _GROUPS[group_name] = self
-        self._desc = "undefined"
+        self._global_ranks = list(opts.global_ranks_in_group) or list(range(size))
+        self._global_rank = self._global_ranks[rank]
+        self._name = opts.group_id
+        _GROUPS[self._name] = self
         self._shm: _Transport | None = None
         self._fallback: str | None = None
-        gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout=timeout)
-        gloo.options.global_ranks_in_group = global_ranks
-        gloo.options.group_name = group_name
+        store = dist.PrefixStore("gloo/", opts.store)
+        gloo = dist.ProcessGroupGloo(store, rank, size, timeout=timeout)
+        gloo.options.global_ranks_in_group = self._global_ranks
+        gloo.options.group_name = self._name
         gloo._set_sequence_number_for_group()
-        inner = dist.ProcessGroup(store, rank, size)
+        inner = dist.ProcessGroup(opts.store, rank, size)
         inner._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
         inner._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-        inner._set_group_name(group_name)
-        self._gloo, self._inner = gloo, inner
+        inner._set_group_name(self._name)
+        self._inner = inner
         try:
             self._set_up()
         except BaseException:
             self.shutdown()
             raise
 
-    # ---- identity (DeviceMesh needs a name; C++ reads it through getGroupName) ---------------
+    # ---- identity: the C++ virtuals (the Python properties group_name, name() read them) ------
 
-    @property
-    def group_name(self) -> str:
+    def getGroupName(self) -> str:
         return self._name
 
-    def getGroupName(self) -> str:  # the C++ virtual, for C++ callers
-        return self._name
-
-    def _set_group_name(self, name: str) -> None:
+    def setGroupName(self, name: str) -> None:
         self._name = name
         _GROUPS[name] = self
         if self._inner is not None:
             self._inner._set_group_name(name)
 
-    setGroupName = _set_group_name
-
-    @property
-    def group_desc(self) -> str:
-        return self._desc
-
-    def getGroupDesc(self) -> str:
-        return self._desc
-
-    def _set_group_desc(self, desc: str) -> None:
-        self._desc = desc
-
-    setGroupDesc = _set_group_desc
-
     def getBackendName(self) -> str:
         return BACKEND
 
-    def name(self) -> str:
-        return BACKEND
-
-    def _get_backend_name(self) -> str:
-        return BACKEND
-
     def _get_backend(self, device):
-        """The gloo backend (what FSDP and c10d ask about allocation and coalescing)."""
-        self._gloo_group()
-        return self._gloo
+        """The gloo backend, for any device (what FSDP and c10d ask about allocation)."""
+        return self._gloo_group()._get_backend(torch.device("cpu"))
 
     def _gloo_group(self) -> dist.ProcessGroup:
         """The inner group that serves everything without a shared-memory path."""
@@ -646,94 +522,92 @@ class ShmProcessGroup(dist.ProcessGroup):
 
     # ---- set-up ----------------------------------------------------------------------------------
 
+    def _err(self, what: str) -> str:
+        return f"rank {self._global_rank}: {what}"
+
     def _allgather_json(self, obj) -> list:
         """Every group rank's `obj`, over the inner gloo group (fails fast if a peer dies)."""
         data = json.dumps(obj).encode()
-        if len(data) > _MESSAGE_BYTES - 4:
+        if len(data) > _MESSAGE_BYTES:
             raise ValueError(f"set-up message of {len(data)} bytes is too long")
-        buf = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
-        buf[:4] = torch.tensor(list(len(data).to_bytes(4, "little")), dtype=torch.uint8)
-        buf[4 : 4 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        # Padded with spaces, which JSON ignores.
+        buf = torch.frombuffer(bytearray(data.ljust(_MESSAGE_BYTES)), dtype=torch.uint8)
         outs = [torch.empty_like(buf) for _ in range(self._size)]
         self._inner.allgather([outs], [buf]).wait()
-        result = []
-        for out in outs:
-            raw = bytes(out.tolist())
-            result.append(json.loads(raw[4 : 4 + int.from_bytes(raw[:4], "little")]))
-        return result
+        return [json.loads(out.numpy().tobytes()) for out in outs]
+
+    def _agree(self, error: str | None) -> None:
+        """Collective: if any rank has an error, every rank raises the first one."""
+        errors = [e for e in self._allgather_json(error) if e]
+        if errors:
+            raise _Unavailable(errors[0])
 
     def _set_up(self) -> None:
         """Collective over the group: the transport, or the reason it delegates to gloo."""
-        _setup_point("start")
         if self._size == 1:
             self._fallback = "one rank"
-            return
-        if _setting == "off":
+        elif _setting == "off":
             self._fallback = "parallel.shm_collectives=off"
-            return
+        else:
+            try:
+                self._shm = self._connect()
+            except _Unavailable as e:
+                if _setting == "on":
+                    raise ConfigError(_on_error(str(e))) from None
+                self._fallback = str(e)
+
+    def _connect(self) -> _Transport | None:
+        """Wake-up pipes, the segment and the peers' pipes, agreed step by step; None (with
+        the reason in _fallback) for a group that spans hosts, which is no error even under
+        "on"."""
         error = unavailable_reason()
         read_fd = write_fd = None
-        me = {
-            "host": _host_id(),
-            "pidns": _pid_namespace(),
-            "pid": os.getpid(),
-            "start": _start_time(os.getpid()),
-        }
+        me = {"host": _host_id(), "pid": os.getpid(), "start": _start_time(os.getpid())}
         try:
             if error is None:
                 try:
                     read_fd, write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-                    me["pipe"] = [write_fd, *_identity(write_fd)]
+                    me["pipe"] = [os.getpid(), write_fd, *_identity(write_fd)]
                 except OSError as e:
                     error = f"cannot make a pipe: {e}"
             _setup_point("pipe")
-            me["error"] = error and f"rank {self._global_rank}: {error}"
+            me["error"] = error and self._err(error)
             everyone = self._allgather_json(me)
-            _setup_point("exchanged")
             if len({e["host"] for e in everyone}) > 1:
                 self._fallback = "group spans hosts"
-                return
+                return None
             failed = [e["error"] for e in everyone if e["error"]]
-            if not failed and len({e["pidns"] for e in everyone}) > 1:
-                failed = ["the group's ranks are in different PID namespaces"]
-            segment = None
-            if not failed:
-                peers = [(e["pid"], e["start"]) for e in everyone]
-                segment, error = self._handshake_segment(_INITIAL_SLOT_BYTES, peers, "set-up")
-                failed = [error] if segment is None else []
-            if not failed:
-                shm = _Transport(self, read_fd, write_fd, peers, segment)
-                read_fd = write_fd = None  # the transport owns them now
-                error = None
-                try:
-                    for q, e in enumerate(everyone):
-                        if q != self._rank:
-                            flags = os.O_WRONLY | os.O_NONBLOCK
-                            fd = _open_peer_fd(e["pid"], e["pipe"][0], flags, e["pipe"][1:])
-                            shm.peer_fds.append((q, fd))
-                except OSError as e:
-                    error = f"rank {self._global_rank}: cannot open a peer's wake-up pipe: {e}"
-                _setup_point("pipes_opened")
-                failed = [e for e in self._allgather_json(error) if e]
-                if failed:
-                    shm.close()
-                else:
-                    self._shm = shm
-                    _setup_point("done")
-                    return
-            if _setting == "on":
-                raise ConfigError(_on_error(failed[0]))
-            self._fallback = failed[0]
+            if failed:  # every rank has every error: no further exchange needed
+                raise _Unavailable(failed[0])
+            shm = _Transport(self, read_fd, write_fd, [(e["pid"], e["start"]) for e in everyone])
+            read_fd = write_fd = None  # the transport owns them now
         finally:
             for fd in (read_fd, write_fd):
                 if fd is not None:
                     os.close(fd)
+        try:
+            shm.map(self._share_segment(_INITIAL_SLOT_BYTES, "set-up"), _INITIAL_SLOT_BYTES)
+            error = None
+            try:
+                for q, e in enumerate(everyone):
+                    if q != self._rank:
+                        fd = _open_shared_fd(os.O_WRONLY | os.O_NONBLOCK, *e["pipe"])
+                        shm.peer_fds.append((q, fd))
+            except OSError as e:
+                error = self._err(f"cannot open a peer's wake-up pipe: {e}")
+            _setup_point("pipes_opened")
+            self._agree(error)
+        except BaseException:
+            shm.close()
+            raise
+        _setup_point("done")
+        return shm
 
-    def _handshake_segment(self, slot: int, peers: list, step: str):
+    def _share_segment(self, slot: int, step: str) -> mmap.mmap:
         """Group rank 0 makes a segment with `slot` bytes per slot; every rank maps it.
-        Collective; returns (segment, None) on every rank or (None, the first error)."""
-        total = _Segment.size(self._size, slot)
-        fd = None
+        Collective; raises _Unavailable on every rank with the first error."""
+        total = self._size * (3 * _LINE + 2 * slot)  # header, sleep lines, slots
+        fd = mm = None
         message = {"error": None}
         try:
             if self._rank == 0:
@@ -742,135 +616,96 @@ class ShmProcessGroup(dist.ProcessGroup):
                     os.ftruncate(fd, total)
                     # Reserve the pages now: running out fails here, not with SIGBUS later.
                     os.posix_fallocate(fd, 0, total)
-                    message["segment"] = [fd, *_identity(fd)]
+                    message["segment"] = [os.getpid(), fd, *_identity(fd)]
                 except OSError as e:
-                    message["error"] = (
-                        f"rank {self._global_rank}: cannot make a {total / 2**20:.1f} MiB "
-                        f"shared segment: {e}"
-                    )
+                    what = f"cannot make a {total / 2**20:.1f} MiB shared segment: {e}"
+                    message["error"] = self._err(what)
             _setup_point(f"{step}:segment")
             creator = self._allgather_json(message)[0]
-            error, mm = creator["error"], None
-            if error is None:
+            if creator["error"]:
+                raise _Unavailable(creator["error"])
+            error = None
+            try:  # group rank 0 as well, through its own /proc entry
+                opened = _open_shared_fd(os.O_RDWR, *creator["segment"])
                 try:
-                    if self._rank == 0:
-                        mm = mmap.mmap(fd, total)
-                    else:
-                        seg_fd, *identity = creator["segment"]
-                        opened = _open_peer_fd(peers[0][0], seg_fd, os.O_RDWR, identity)
-                        try:
-                            mm = mmap.mmap(opened, total)
-                        finally:
-                            os.close(opened)
-                except (OSError, ValueError) as e:
-                    error = f"rank {self._global_rank}: cannot map group rank 0's segment: {e}"
+                    mm = mmap.mmap(opened, total)
+                finally:
+                    os.close(opened)
+            except (OSError, ValueError) as e:
+                error = self._err(f"cannot map group rank 0's segment: {e}")
             _setup_point(f"{step}:mapped")
-            errors = [e for e in self._allgather_json(error) if e]
-            if errors:
-                if mm is not None:
-                    mm.close()
-                return None, errors[0]
-            return _Segment(mm, self._size, slot), None
+            self._agree(error)
+            return mm
+        except BaseException:
+            if mm is not None:
+                mm.close()
+            raise
         finally:
             if fd is not None:  # every rank mapped it or failed: the mappings keep it alive
                 os.close(fd)
 
     # ---- collectives with a shared-memory path ---------------------------------------------------
 
-    def all_gather_single(self, output, input, *args, **kwargs):
-        """dist.all_gather_into_tensor / all_gather_single (FSDP2's all-gather)."""
-        shm = self._shm
-        if (
-            shm is not None
+    def _served(self, kind: int | None, input: torch.Tensor, output: torch.Tensor) -> bool:
+        """Run one collective (header op `kind`, None: no shared-memory path) through shared
+        memory if the tensors allow it; False when nothing was done and gloo must serve it."""
+        if not (
+            self._shm is not None
+            and kind is not None
             and input.is_cpu
             and output.is_cpu
             and input.dtype == output.dtype
+            and input.dtype in _OPS[kind][1]
             and input.layout is torch.strided
             and input.is_contiguous()
             and output.is_contiguous()
-            and output.numel() == input.numel() * self._size
-            and input.dtype in _DTYPE_CODES
-            and (
-                _ops.all_gather(output, input, self._name)
-                if _dispatch_modes()
-                else shm.run(_ALL_GATHER, input, output)
-            )
+        ):
+            return False
+        if _dispatch_modes():
+            return getattr(_ns, _OPS[kind][2])(output, input, kind, self._name)
+        return self._shm.run(kind, input, output)
+
+    def all_gather_single(self, output, input, *opts):
+        """dist.all_gather_into_tensor (FSDP2's all-gather)."""
+        if output.numel() == input.numel() * self._size and self._served(
+            _ALL_GATHER, input, output
         ):
             return _DONE
-        return self._gloo_group().all_gather_single(output, input, *args, **kwargs)
+        return self._gloo_group().all_gather_single(output, input, *opts)
 
-    _allgather_base = all_gather_single
+    def reduce_scatter_single(self, output, input, opts=None):
+        """dist.reduce_scatter_tensor (FSDP2's reduce-scatter): sum and average."""
+        opts = opts or dist.ReduceScatterOptions()
+        kind = _RS_OPS.get(opts.reduceOp.op)
+        if input.numel() == output.numel() * self._size and self._served(kind, input, output):
+            return _DONE
+        return self._gloo_group().reduce_scatter_single(output, input, opts)
 
-    def all_gather_single_coalesced(self, outputs, inputs, *args, **kwargs):
-        """Functional collectives' all-gather (all_gather_tensor, all_gather_single)."""
-        if len(inputs) == 1 and len(outputs) == 1:
-            return self.all_gather_single(outputs[0], inputs[0], *args, **kwargs)
-        return self._gloo_group().all_gather_single_coalesced(outputs, inputs, *args, **kwargs)
-
-    allgather_into_tensor_coalesced = all_gather_single_coalesced
-
-    def reduce_scatter_single(self, output, input, opts=None, *args, **kwargs):
-        """dist.reduce_scatter_tensor / reduce_scatter_single (FSDP2's reduce-scatter)."""
-        shm = self._shm
+    def allreduce(self, tensors, opts=None):
+        """dist.all_reduce and functional all_reduce: sum and max."""
+        opts = opts or dist.AllreduceOptions()
         if (
-            shm is not None
-            and opts is not None
-            and input.is_cpu
-            and output.is_cpu
-            and input.dtype == output.dtype
-            and input.layout is torch.strided
-            and input.is_contiguous()
-            and output.is_contiguous()
-            and input.numel() == output.numel() * self._size
-            and input.dtype in _REDUCIBLE
+            type(tensors) is list
+            and len(tensors) == 1
+            and isinstance(opts, dist.AllreduceOptions)  # not the (tensors, ReduceOp) form
+            and self._served(_AR_OPS.get(opts.reduceOp.op), tensors[0], tensors[0])
         ):
-            kind = _RS_OPS.get(opts.reduceOp.op)
-            if kind is not None and (kind == _REDUCE_SCATTER_SUM or input.dtype in _FLOATING):
-                out = output.view(-1)
-                if (
-                    _ops.reduce_scatter(out, input, kind, self._name)
-                    if _dispatch_modes()
-                    else shm.run(kind, input, out)
-                ):
-                    return _DONE
-        if opts is None:
-            return self._gloo_group().reduce_scatter_single(output, input, *args, **kwargs)
-        return self._gloo_group().reduce_scatter_single(output, input, opts, *args, **kwargs)
+            return _DONE
+        return self._gloo_group().allreduce(tensors, opts)
 
-    _reduce_scatter_base = reduce_scatter_single
+    # Functional collectives (all_gather_tensor, reduce_scatter_tensor, ...): one tensor takes
+    # the path above.
 
-    def reduce_scatter_single_coalesced(self, outputs, inputs, *args, **kwargs):
-        """Functional collectives' reduce-scatter (reduce_scatter_tensor, _single)."""
-        if len(inputs) == 1 and len(outputs) == 1:
-            return self.reduce_scatter_single(outputs[0], inputs[0], *args, **kwargs)
-        return self._gloo_group().reduce_scatter_single_coalesced(outputs, inputs, *args, **kwargs)
+    def all_gather_single_coalesced(self, outputs, inputs, *opts):
+        if len(inputs) == 1 == len(outputs):
+            return self.all_gather_single(outputs[0], inputs[0], *opts)
+        return self._gloo_group().all_gather_single_coalesced(outputs, inputs, *opts)
 
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
-
-    def allreduce(self, tensors, opts=None, *args, **kwargs):
-        """dist.all_reduce and functional all_reduce (sum and max through shared memory)."""
-        shm = self._shm
-        if shm is not None and type(tensors) is list and len(tensors) == 1 and not args:
-            t = tensors[0]
-            if (
-                isinstance(opts, dist.AllreduceOptions)
-                and t.is_cpu
-                and t.layout is torch.strided
-                and t.is_contiguous()
-                and t.dtype in _REDUCIBLE
-            ):
-                kind = _AR_OPS.get(opts.reduceOp.op)
-                if kind is not None and (
-                    _ops.all_reduce(t, kind, self._name)
-                    if _dispatch_modes()
-                    else shm.run(kind, t, t.view(-1))
-                ):
-                    return _DONE
-        if opts is None:
-            return self._gloo_group().allreduce(tensors, *args, **kwargs)
-        return self._gloo_group().allreduce(tensors, opts, *args, **kwargs)
-
-    # ---- everything else: the inner gloo group ---------------------------------------------------
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        if len(inputs) == 1 == len(outputs):
+            return self.reduce_scatter_single(outputs[0], inputs[0], opts)
+        opts = opts or dist.ReduceScatterOptions()
+        return self._gloo_group().reduce_scatter_single_coalesced(outputs, inputs, opts)
 
     def set_timeout(self, timeout) -> None:
         self._timeout_s = timeout.total_seconds()
@@ -884,45 +719,35 @@ class ShmProcessGroup(dist.ProcessGroup):
             shm.close()
             self._fallback = "shut down"
 
-    def shutdown(self) -> None:
+    __del__ = _close
+
+    def shutdown(self, how: str = "shutdown") -> None:
         """destroy_process_group: unmap the segment, close the pipes, free the inner gloo group
         (its destructor joins gloo's threads)."""
         self._close()
-        inner, self._inner, self._gloo = getattr(self, "_inner", None), None, None
+        inner, self._inner = getattr(self, "_inner", None), None
         if inner is not None:
-            inner.shutdown()
+            getattr(inner, how)()
 
     def abort(self) -> None:
-        self._close()
-        inner, self._inner, self._gloo = getattr(self, "_inner", None), None, None
-        if inner is not None:
-            inner.abort()
-
-    def __del__(self):
-        self._close()
+        self.shutdown("abort")
 
 
+def _delegate(name: str):
+    def method(self, *args, **kwargs):
+        return getattr(self._gloo_group(), name)(*args, **kwargs)
+
+    method.__name__ = name
+    method.__doc__ = f"ProcessGroup.{name}, served by the inner gloo group."
+    return method
+
+
+# Everything else torch calls on a group, as it is, to the inner gloo group.
 for _name in (
-    "allgather",
-    "allgather_coalesced",
-    "allreduce_coalesced",
-    "all_to_all_single",
-    "alltoall_base",
-    "alltoall",
-    "barrier",
-    "monitored_barrier",
-    "broadcast",
-    "gather",
-    "scatter",
-    "reduce",
-    "reduce_scatter",
-    "send",
-    "recv",
-    "recv_anysource",
-    "_start_coalescing",
-    "_end_coalescing",
-    "_get_sequence_number_for_group",
-    "_set_sequence_number_for_group",
-):
+    "allgather allgather_coalesced allreduce_coalesced all_to_all_single alltoall barrier "
+    "monitored_barrier broadcast gather scatter reduce reduce_scatter send recv recv_anysource "
+    "_start_coalescing _end_coalescing _get_sequence_number_for_group "
+    "_set_sequence_number_for_group"
+).split():
     setattr(ShmProcessGroup, _name, _delegate(_name))
 del _name
