@@ -319,22 +319,15 @@ def local_block(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 def _recompute_buffers(model: nn.Module) -> None:
     """Buffers are not in checkpoints (HF has none either): the RoPE table is recomputed."""
-
     model.inv_freq.copy_(rope_inv_freq(model.cfg).to(model.inv_freq.device))
 
 
-def check_hf_source(path: str, cfg: ModelConfig, source: str) -> tuple[HFCheckpoint, list[str]]:
-    """Open a HF dir and check its config and tensors against cfg; return it and the names."""
-    ckpt = HFCheckpoint(path)
-    try:
-        hf_cfg = model_config_from_hf(ckpt.config, os.path.join(path, "config.json"))
-        check_model_config(hf_cfg, cfg, source, "config.json")
-        shapes = {n: t.shape for n, t in ckpt.tensors.items()}
-        names = check_tensor_names(shapes, cfg, f"checkpoint.init_from={source}")
-    except BaseException:
-        ckpt.close()
-        raise
-    return ckpt, names
+def check_hf_source(ckpt: HFCheckpoint, cfg: ModelConfig, source: str) -> None:
+    """Check an open HF dir's config and tensors against cfg."""
+    hf_cfg = model_config_from_hf(ckpt.config, os.path.join(ckpt.path, "config.json"))
+    check_model_config(hf_cfg, cfg, source, "config.json")
+    shapes = {n: t.shape for n, t in ckpt.tensors.items()}
+    check_tensor_names(shapes, cfg, f"checkpoint.init_from={source}")
 
 
 @torch.no_grad()
@@ -357,14 +350,14 @@ def load_hf(model: nn.Module, path: str, source: str | None = None) -> LoadRepor
     """Read a HF directory into `model` (plain or TP/FSDP-sharded), each rank only its blocks."""
     source = source or f"hf:{path}"
     start = time.perf_counter()
-    ckpt, _ = check_hf_source(path, model.cfg, source)
 
     def read_into(name: str, offsets, sizes, out: torch.Tensor) -> int:
         block = ckpt.read_slice(name, offsets, sizes)
         out.copy_(block)
         return block.numel() * block.element_size()
 
-    with ckpt:
+    with HFCheckpoint(path) as ckpt:
+        check_hf_source(ckpt, model.cfg, source)
         total = sum(ckpt.tensors[name].nbytes for name, _ in model.named_parameters())
         return _fill_blocks(model, source, start, total, read_into)
 
@@ -480,8 +473,8 @@ def _load_dcp_whole(model, path, source, params, start) -> LoadReport:
             no_dist=not (dist.is_available() and dist.is_initialized()),
         )
     _recompute_buffers(model)
-    report = LoadReport(source, tensors=len(params))
-    report.checkpoint_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    total = sum(p.numel() * p.element_size() for p in params.values())
+    report = LoadReport(source, tensors=len(params), checkpoint_bytes=total)
     report.seconds = time.perf_counter() - start
     return report
 
@@ -523,11 +516,8 @@ def adopt_source_model(cfg: JobConfig, set_on_cli: set[str]) -> None:
     kind, path = parse_init_from(cfg.checkpoint.init_from)
     source = cfg.checkpoint.init_from
     if kind == "hf":
-        ckpt = HFCheckpoint(path)
-        try:
+        with HFCheckpoint(path) as ckpt:
             found = model_config_from_hf(ckpt.config, os.path.join(path, "config.json"))
-        finally:
-            ckpt.close()
     else:
         found = read_saved_model_config(path)
         if found is None:

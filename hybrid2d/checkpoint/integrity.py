@@ -81,9 +81,8 @@ def check_hashes(path: Path, recorded: dict[str, dict[str, int]], names: list[st
     for name in names:
         if name not in recorded:
             continue
-        crc = crc32_file(path / name)
-        if crc != recorded[name]["crc32"]:
-            want = recorded[name]["crc32"]
+        crc, want = crc32_file(path / name), recorded[name]["crc32"]
+        if crc != want:
             return f"{name} has CRC-32 {crc:08x}, {want:08x} when saved (corrupted)"
     return None
 

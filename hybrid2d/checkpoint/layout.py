@@ -13,6 +13,7 @@ dies at, `latest` names a complete checkpoint, and a directory named `step-N` is
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
@@ -91,16 +92,13 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def fsync_dir(path: Path) -> None:
-    try:
+    """Make renames in `path` durable; skipped where a directory cannot be opened or synced."""
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def publish(run_dir: str | os.PathLike, step: int) -> Path:
@@ -125,10 +123,8 @@ def apply_retention(run_dir: str | os.PathLike, keep_last: int) -> list[Path]:
     """Delete all but the newest keep_last complete checkpoints, and leftover `.tmp`/`.old`
     directories of saves that never finished. Call only when no save is in flight."""
     d = checkpoints_dir(run_dir)
-    removed = []
     steps = complete_steps(d)
-    for s in steps[: max(0, len(steps) - keep_last)]:
-        removed.append(d / step_name(s))
+    removed = [d / step_name(s) for s in steps[: max(0, len(steps) - keep_last)]]
     for p in d.iterdir() if d.is_dir() else []:
         if p.is_dir() and p.name.endswith((TMP_SUFFIX, ".old")):
             removed.append(p)
