@@ -159,11 +159,9 @@ def simulate(
         gen = torch.Generator().manual_seed(rank)
 
         def batch(count: int, rows: int, seq: int):
-            out = []
-            for _ in range(count):
-                tokens = torch.randint(0, cfg.model.vocab_size, (rows, seq + 1), generator=gen)
-                out.append((tokens[:, :-1], tokens[:, 1:]))
-            return out
+            v = cfg.model.vocab_size
+            tokens = [torch.randint(0, v, (rows, seq + 1), generator=gen) for _ in range(count)]
+            return [(x[:, :-1], x[:, 1:]) for x in tokens]
 
         built = time.perf_counter()
         with SimulationMode(skip_compute):

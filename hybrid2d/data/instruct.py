@@ -70,12 +70,10 @@ class InstructStats:
         return 1.0 - used / max(self.positions, 1)
 
     def to_dict(self) -> dict:
-        return {
-            "samples": self.samples,
-            "truncated": self.truncated,
-            "dropped": self.dropped,
-            "loss_tokens": self.loss_tokens,
-            "padding_fraction": round(self.padding_fraction, 4),
+        """What the run summary shows: the counts, and padding instead of tokens / positions."""
+        shown = ("samples", "truncated", "dropped", "loss_tokens")
+        return {k: getattr(self, k) for k in shown} | {
+            "padding_fraction": round(self.padding_fraction, 4)
         }
 
     def describe(self) -> str:

@@ -20,8 +20,6 @@ class PackedDataset:
     def __init__(self, tokens: np.ndarray, seq_len: int, source: str = ""):
         if tokens.ndim != 1:
             raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
-        if seq_len < 1:
-            raise ConfigError(f"train.seq_len={seq_len} must be >= 1")
         self.tokens = tokens
         self.seq_len = seq_len
         self.num_samples = max(0, (len(tokens) - 1) // seq_len)

@@ -221,14 +221,12 @@ def estimate(cfg: JobConfig, mesh: MeshShape, rank: int = 0, target: str = "cuda
     N = b * S
     Nl = N // tp
     heads, kv, ffn, vocab = m.n_heads // tp, m.n_kv_heads // tp, m.ffn_dim // tp, m.vocab_size
-    terms = {
-        "norms": 2 * Nl * D * (4 + c) + 2 * Nl * 4,
-        "attention and MLP inputs": 2 * N * D * c,
-        "q, k, v": N * (heads + 2 * kv) * hd * c,
-        "attention output": N * heads * hd * c + b * heads * S * 4,
-        "MLP": 4 * N * ffn * c,
-    }
-    block = sum(terms.values())
+    norms = 2 * Nl * D * (4 + c) + 2 * Nl * 4
+    gathered = 2 * N * D * c  # the attention's and the MLP's inputs
+    qkv = N * (heads + 2 * kv) * hd * c
+    attn_out = N * heads * hd * c + b * heads * S * 4
+    mlp = 4 * N * ffn * c
+    block = norms + gathered + qkv + attn_out + mlp
     ckpt = Nl * D * c
     if p.activation_checkpoint == "full":
         kept = ckpt
@@ -236,14 +234,7 @@ def estimate(cfg: JobConfig, mesh: MeshShape, rank: int = 0, target: str = "cuda
         # The block input plus the outputs of matmuls, attention and collectives (the two
         # gathered inputs, q/k/v, attention output, gate and up, the two reduce-scatters; the o
         # and down matmuls are recomputed, see activation_checkpoint.output_not_kept).
-        kept = (
-            ckpt
-            + terms["attention and MLP inputs"]
-            + terms["q, k, v"]
-            + terms["attention output"]
-            + terms["MLP"] // 2
-            + 2 * Nl * D * c
-        )
+        kept = ckpt + gathered + qkv + attn_out + mlp // 2 + 2 * Nl * D * c
     else:
         kept = block
     recomputes = kept != block
@@ -281,15 +272,15 @@ def estimate(cfg: JobConfig, mesh: MeshShape, rank: int = 0, target: str = "cuda
     root = unit_gathered.get(-1, 0)
     blocks_units = [unit_gathered[i] for i in range(m.n_layers)] or [0]
     unit, last = max(blocks_units), blocks_units[-1]
-    kept = sum(blocks_units[:-1]) if not p.reshard_after_forward else 0
+    held = sum(blocks_units[:-1]) if not p.reshard_after_forward else 0
     comm = {
-        "end of forward": root + kept + 2 * last,
-        "loss": root + kept + last,
-        "last block backward": root + kept + lm_head_gathered + 2 * unit,
+        "end of forward": root + held + 2 * last,
+        "loss": root + held + last,
+        "last block backward": root + held + lm_head_gathered + 2 * unit,
         "end of backward": root + lm_head_gathered + unit + (vocab * D * c if tp > 1 else 0),
         "optimizer": 0,
     }
-    comm_peak = root + kept + lm_head_gathered + 3 * unit + unit * 4 // c
+    comm_peak = root + held + lm_head_gathered + 3 * unit + unit * 4 // c
     defer = p.defer_grad_sync
     if defer and n_micro > 1:
         # Gradients stay unsharded (fp32) from one micro batch to the next.
@@ -301,14 +292,10 @@ def estimate(cfg: JobConfig, mesh: MeshShape, rank: int = 0, target: str = "cuda
     # ---- the moments of a step --------------------------------------------------------------
     # Sharded gradients accumulated by earlier micro batches (none when their sync is deferred).
     grads_before = gradients if n_micro > 1 and not defer else 0
-    grads = dict.fromkeys(act, grads_before) | {
-        "end of backward": gradients,
-        "optimizer": gradients,
-    }
     phases = {
         name: {
             "parameters": parameters,
-            "gradients": grads[name],
+            "gradients": gradients if name in ("end of backward", "optimizer") else grads_before,
             "optimizer": optimizer,
             "communication": comm[name],
             "activations": act[name],

@@ -351,8 +351,7 @@ def measure_step(
 
     handle = optimizer.register_step_post_hook(after_step) if optimizer is not None else None
     device = next(iter(model.parameters())).device
-    cuda = device.type == "cuda"
-    if cuda:
+    if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     tracker = MemoryTracker(model, optimizer)

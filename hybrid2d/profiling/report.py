@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 import os
+import pathlib
 from dataclasses import dataclass, field
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "communication", "peak")
@@ -364,8 +365,6 @@ def group_identical_ranks(
     for rank, parts in per_rank:
         key = (tuple(sorted(parts.items())), marks.get(rank))
         groups.setdefault(key, []).append(rank)
-    if len(groups) == len(per_rank):
-        return per_rank, marks
     bars, new_marks = [], {}
     for (parts, mark), ranks in groups.items():
         label = _rank_label(ranks)
@@ -389,16 +388,10 @@ def _rank_label(ranks: list[str]) -> str:
 
 def write(rep: Report, out: str) -> tuple[str, str]:
     """Write `out`/memory_report.{md,html} (or `out`.md/.html when `out` names a file)."""
-    if out.endswith((".md", ".html")):
-        base = out.rsplit(".", 1)[0]
-    else:
-        os.makedirs(out, exist_ok=True)
-        base = os.path.join(out, "memory_report")
-    if os.path.dirname(base):
-        os.makedirs(os.path.dirname(base), exist_ok=True)
-    md, page = base + ".md", base + ".html"
-    with open(md, "w") as f:
-        f.write(markdown(rep))
-    with open(page, "w") as f:
-        f.write(html_page(rep))
-    return md, page
+    named = out.endswith((".md", ".html"))
+    base = out.rsplit(".", 1)[0] if named else os.path.join(out, "memory_report")
+    os.makedirs(os.path.dirname(base) or ".", exist_ok=True)
+    paths = base + ".md", base + ".html"
+    for path, text in zip(paths, (markdown(rep), html_page(rep)), strict=True):
+        pathlib.Path(path).write_text(text)
+    return paths
