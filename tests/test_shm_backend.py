@@ -9,7 +9,10 @@ import json
 import math
 
 import pytest
+import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from hybrid2d import shm_backend
 from hybrid2d.config import ConfigError
@@ -42,6 +45,34 @@ def test_configure_checks_the_setting():
 def test_no_group_is_no_shared_memory():
     assert not shm_backend.uses_shared_memory(object())
     assert shm_backend.collective_count(object()) == 0
+
+
+def test_one_rank_group_names_itself_and_delegates(tmp_path):
+    """torch reads a group's name and backend through the C++ virtuals the class overrides
+    (getGroupName, getBackendName; no Python twins); a group of one rank has no segment and
+    gloo serves every call, the shared-memory entry points included."""
+    shm_backend.register()
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    assert not dist.is_initialized()
+    dist.init_process_group(f"cpu:{shm_backend.BACKEND}", store=store, rank=0, world_size=1)
+    try:
+        pg = dist.group.WORLD
+        assert isinstance(pg, shm_backend.ShmProcessGroup)
+        assert pg.name() == shm_backend.BACKEND and pg.group_desc == "default_pg"
+        assert _resolve_process_group(pg.group_name) is pg  # how functional collectives find it
+        assert shm_backend.fallback_reason() == "one rank"
+        assert not shm_backend.uses_shared_memory() and shm_backend.collective_count() == 0
+        t = torch.arange(4.0)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        out = torch.empty(4)
+        dist.all_gather_single(out, torch.arange(4.0))
+        assert t.tolist() == out.tolist() == [0.0, 1.0, 2.0, 3.0]
+        assert (
+            funcol.reduce_scatter_single(torch.ones(3), "sum", 0, pg).wait().tolist() == [1.0] * 3
+        )
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def _report(tmp_path, name):
