@@ -62,7 +62,11 @@ def error_line(proc) -> str:
         (["--train.steps", "five"], 1, "--train.steps"),
         (["--recipe", "llama3-8b"], 1, "llama3.1-8b"),
         (["--data.path", "/nonexistent/corpus.txt", "--train.steps", "1"], 1, "data.path"),
-        (["--parallel.shm_collectives", "yes"], 1, "parallel.shm_collectives='yes'"),
+        (
+            ["--parallel.shm_collectives", "yes"],
+            1,
+            "'yes' for argument '--parallel.shm_collectives'",
+        ),
     ],
 )
 def test_bad_setting_is_one_line(args, world, expect):
@@ -231,7 +235,8 @@ def test_bad_number_in_a_recipe_is_one_line_before_training(capsys, monkeypatch)
 def test_enumerated_settings_name_their_choices(capsys, monkeypatch, name):
     choices = typing.get_args(_kinds()[name])
     line = _main_error(capsys, monkeypatch, f"--{name}", "bogus")
-    assert f"{name}='bogus'" in line and all(repr(c) in line for c in choices), line
+    assert f"--{name}" in line and "'bogus'" in line, line
+    assert all(repr(c) in line for c in choices), line
 
 
 @pytest.mark.parametrize(
@@ -242,10 +247,11 @@ def test_enumerated_settings_name_their_choices(capsys, monkeypatch, name):
         (["--model.lr", "0.1"], "did you mean --train.lr?"),
         (["--train.learning_rate", "0.1"], "unknown setting --train.learning_rate"),
         (["--parallel.mixed_precison", "bf16"], "did you mean --parallel.mixed_precision?"),
-        (["--train.lr"], "--train.lr needs a value"),
+        (["--train.lr"], "Missing value for argument '--train.lr'"),
         (["train.lr", "1"], "unexpected argument 'train.lr'"),
         (["--recipe"], "--recipe"),
-        (["--parallel.compile", "maybe"], "parallel.compile='maybe' is not true or false"),
+        (["--parallel.compile", "maybe"], "--parallel.compile: 'maybe' is not true or false"),
+        (["--train.steps", "7", "9"], "unexpected argument '9'"),
     ],
 )
 def test_cli_mistakes_are_one_line(capsys, monkeypatch, args, expect):
@@ -319,9 +325,31 @@ def test_help_lists_every_setting_with_help_and_recipe_default(capsys, monkeypat
 
 def test_tyro_errors_become_one_config_error(capsys):
     with pytest.raises(ConfigError) as e:
-        config_mod._tyro(JobConfig(), ["--train.steps=x"])
-    assert "\n" not in str(e.value) and "train.steps" in str(e.value)
+        apply_overrides(JobConfig(), ["--train.steps=x"])
+    assert str(e.value) == "--train.steps: invalid literal for int() with base 10: 'x'"
     assert capsys.readouterr() == ("", "")
+
+
+def test_tyro_error_text_framed_or_plain():
+    """tyro frames its error on a terminal and writes it plain otherwise; a long message wraps."""
+    framed = """\
+╭─ Invalid choice ─────────────────────────────────────╮
+│ invalid choice 'yes' for argument                    │
+│ '--parallel.shm_collectives'.                        │
+│ ──────────────────────────────────────────────────── │
+│ For full helptext, run recipes/llama.py --help       │
+╰──────────────────────────────────────────────────────╯
+"""
+    plain = """\
+ Invalid choice
+ ---------------------------------------------
+  invalid choice 'yes' for argument
+  '--parallel.shm_collectives'.
+
+ For full helptext, run recipes/llama.py --help
+"""
+    want = "invalid choice 'yes' for argument '--parallel.shm_collectives'."
+    assert config_mod._tyro_error(framed) == config_mod._tyro_error(plain) == want
 
 
 # ---- config.json: unknown keys, retired keys ------------------------------------------------
