@@ -12,6 +12,7 @@ again, so an unlink never lets two runs in either.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import fcntl
 import json
@@ -27,20 +28,15 @@ _held: list[tuple[str, int]] = []  # (lock path, descriptor holding its flock)
 
 
 def _owner(fd: int) -> dict:
-    """What the lock file says about its owner ({} when empty or half written)."""
-    try:
-        data = os.pread(fd, 4096, 0)
-        return json.loads(data) if data else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _current_owner(fd: int) -> dict:
-    """The owner of a lock another process holds. Right after it took the lock the file may
-    still be empty or name the dead process before it; give the new owner a moment to write
-    itself in ({} if it does not: the message then says "another process")."""
+    """The owner of a lock another process holds, as its file names it. Right after it took
+    the lock the file may still be empty or name the dead process before it; give the new
+    owner a moment to write itself in ({} if it does not: the message then says "another
+    process")."""
     for _ in range(200):
-        owner = _owner(fd)
+        try:
+            owner = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        except (OSError, ValueError):  # half written
+            owner = {}
         pid = owner.get("pid")
         if isinstance(pid, int) and (owner.get("host") != socket.gethostname() or _alive(pid)):
             return owner
@@ -51,33 +47,9 @@ def _current_owner(fd: int) -> dict:
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+    except OSError as e:
+        return e.errno == errno.EPERM  # EPERM: alive, another user's
     return True
-
-
-def _legacy_owner(owner: dict) -> bool:
-    """A lock file of hybrid2d before flock (created with O_EXCL, never flocked) whose process
-    is still running here: that run holds the directory although no flock says so."""
-    pid = owner.get("pid")
-    return (
-        bool(owner)
-        and "lock" not in owner
-        and owner.get("host") == socket.gethostname()
-        and isinstance(pid, int)
-        and pid != os.getpid()
-        and _alive(pid)
-    )
-
-
-def _in_use(run_dir: str, path: str, owner: dict) -> ConfigError:
-    where = f"pid {owner.get('pid')} on {owner.get('host')}" if owner else "another process"
-    return ConfigError(
-        f"metrics.run_dir={run_dir} is in use by {where} (lock {path}); use another "
-        "--metrics.run_dir or stop that run"
-    )
 
 
 def _same_file(fd: int, path: str) -> bool:
@@ -96,40 +68,36 @@ def acquire_lock(run_dir: str) -> None:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            busy = e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
-            owner = _current_owner(fd) if busy else {}
+        except BlockingIOError:  # another process holds it
+            owner = _owner(fd)
             os.close(fd)
-            if busy:
-                raise _in_use(run_dir, path, owner) from None
+            where = f"pid {owner['pid']} on {owner.get('host')}" if owner else "another process"
+            raise ConfigError(
+                f"metrics.run_dir={run_dir} is in use by {where} (lock {path}); use another "
+                "--metrics.run_dir or stop that run"
+            ) from None
+        except OSError as e:
+            os.close(fd)
             raise ConfigError(
                 f"metrics.run_dir={run_dir}: cannot lock {path} ({e.strerror}); use a directory "
                 "on a file system with file locks"
             ) from None
-        if not _same_file(fd, path):  # its owner unlinked it on release: lock the new one
-            os.close(fd)
-            continue
-        owner = _owner(fd)
-        if _legacy_owner(owner):
-            os.close(fd)
-            raise _in_use(run_dir, path, owner)
-        me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
-        data = json.dumps({**me, "lock": "flock"}).encode()
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, data, 0)
-        _held.append((path, fd))
-        return
+        if _same_file(fd, path):
+            break
+        os.close(fd)  # its owner unlinked it on release: lock the new one
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(me).encode(), 0)
+    _held.append((path, fd))
 
 
 def release_locks() -> None:
     """Give up every lock this process holds (the file is removed first, under the lock)."""
     while _held:
         path, fd = _held.pop()
-        try:
+        with contextlib.suppress(OSError):
             if _same_file(fd, path):
                 os.unlink(path)
-        except OSError:
-            pass
         os.close(fd)
 
 
@@ -150,16 +118,12 @@ def create_run_dir(cfg: JobConfig) -> str:
         path = find_run_to_resume(cfg.metrics.run_dir, cfg.recipe) or path
     try:
         os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write-test-{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.unlink(probe)
+        acquire_lock(path)  # creating the lock file is the test that the directory is writable
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(cfg.to_dict(), f, indent=2)
     except OSError as e:
         raise ConfigError(
             f"metrics.run_dir={path} is not writable ({e.strerror}); choose a directory you "
             "can write to with --metrics.run_dir"
         ) from None
-    acquire_lock(path)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg.to_dict(), f, indent=2)
     return path

@@ -134,22 +134,3 @@ def test_release_and_acquire_churn_never_admits_two(tmp_path):
         assert p.returncode == 0, err
         assert out.startswith("acquired ")
     assert sum(int(out.split()[1]) for out, _ in outs) > 0
-
-
-def test_lock_file_of_an_older_version_with_a_live_pid_is_respected(tmp_path, release):
-    """hybrid2d before flock wrote {"host", "pid"} with O_EXCL and never flocked it."""
-    import json
-    import socket
-
-    sleeper = subprocess.Popen(
-        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
-    )
-    try:
-        lock = tmp_path / run_dir.LOCK_NAME
-        lock.write_text(json.dumps({"host": socket.gethostname(), "pid": sleeper.pid}))
-        with pytest.raises(ConfigError, match=f"pid {sleeper.pid} "):
-            run_dir.acquire_lock(str(tmp_path))
-    finally:
-        sleeper.kill()
-        sleeper.wait()
-    run_dir.acquire_lock(str(tmp_path))  # its process is gone: taken over
