@@ -365,20 +365,6 @@ def load_hf(model: nn.Module, path: str, source: str | None = None) -> LoadRepor
 # ---- DCP ("model" entry only) ----------------------------------------------------------------
 
 
-def read_dcp_model_metadata(
-    path: str, where: str
-) -> tuple[Metadata, dict[str, TensorStorageMetadata]]:
-    """The metadata of a DCP checkpoint and its "model" entry's tensors (HF name -> metadata)."""
-    meta = read_metadata(Path(path))
-    entries = model_entries(meta)
-    if not entries:
-        raise CheckpointError(
-            f"{where}: {path} has no 'model' entry; expected a checkpoint saved as "
-            "{'model': {<HF names>: tensors}, ...}"
-        )
-    return meta, entries
-
-
 def read_saved_model_config(path: str) -> ModelConfig | None:
     """The model section of a DCP directory's config.json (hybrid2d JobConfig), or None."""
     cfg_path = os.path.join(path, "config.json")
@@ -398,7 +384,8 @@ def check_dcp_source(
     path: str, cfg: ModelConfig, source: str
 ) -> tuple[Metadata, dict[str, TensorStorageMetadata]]:
     where = f"checkpoint.init_from={source}"
-    meta, found = read_dcp_model_metadata(path, where)
+    meta = read_metadata(Path(path))
+    found = model_entries(meta, path)
     saved = read_saved_model_config(path)
     if saved is not None:
         check_model_config(saved, cfg, source, "config.json model")
@@ -521,7 +508,7 @@ def adopt_source_model(cfg: JobConfig, set_on_cli: set[str]) -> None:
     else:
         found = read_saved_model_config(path)
         if found is None:
-            read_dcp_model_metadata(path, f"checkpoint.init_from={source}")  # not DCP: says so
+            model_entries(read_metadata(Path(path)), path)  # not a DCP checkpoint: says so
     adopt_tokenizer(cfg, path)
     if found is None:
         return  # no saved shape: the tensor-by-tensor check at load time still applies

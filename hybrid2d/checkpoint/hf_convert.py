@@ -34,7 +34,6 @@ from hybrid2d.checkpoint.hf import (
     config_mismatch,
     hf_config_from_model,
     model_config_from_hf,
-    read_dcp_model_metadata,
     read_saved_model_config,
 )
 from hybrid2d.checkpoint.hf_safetensors import (
@@ -47,7 +46,7 @@ from hybrid2d.checkpoint.hf_safetensors import (
     plan_shards,
     write_safetensors,
 )
-from hybrid2d.checkpoint.reader import iter_model_tensors
+from hybrid2d.checkpoint.reader import iter_model_tensors, model_entries, read_metadata
 from hybrid2d.config import ConfigError, JobConfig, ModelConfig
 
 HF_CONFIG_COPY = "hf_config.json"  # the source's HF config.json, kept verbatim in a DCP dir
@@ -303,7 +302,8 @@ def convert_dcp_to_hf(
 ) -> Summary:
     """Write SRC's "model" entry as size-capped safetensors shards, an index, config.json and
     the tokenizer files found in SRC."""
-    meta, found = read_dcp_model_metadata(src, src)
+    meta = read_metadata(Path(src))
+    found = model_entries(meta, src)
     cfg, hf = _export_hf_config(src)
     names = check_tensor_names({n: tuple(t.size) for n, t in found.items()}, cfg, src)
     if cfg.tie_embeddings:

@@ -14,6 +14,7 @@ parameter. Tests check the results against `safe_open(...).get_slice`.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -100,7 +101,7 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B")
 
 
-class SafetensorsFile:
+class SafetensorsFile(contextlib.AbstractContextManager):
     """One .safetensors file: header parsed on open, tensors read on demand without mmap."""
 
     def __init__(self, path: str):
@@ -143,9 +144,6 @@ class SafetensorsFile:
 
     def close(self) -> None:
         self._f.close()
-
-    def __enter__(self) -> SafetensorsFile:
-        return self
 
     def __exit__(self, *exc) -> None:
         self.close()
@@ -199,7 +197,7 @@ def read_block(
     return out, pos
 
 
-class HFCheckpoint:
+class HFCheckpoint(contextlib.AbstractContextManager):
     """A Hugging Face model directory: config.json plus one or several safetensors files.
 
     Every problem is found on open (empty directory, no weights, a shard named by the index but
@@ -228,6 +226,7 @@ class HFCheckpoint:
                 self.config = json.load(f)
         except ValueError as e:
             raise CheckpointError(f"{config_path} is not valid JSON ({e})") from None
+        files: dict[str, SafetensorsFile] = {}
         index_path = os.path.join(path, INDEX_NAME)
         if os.path.isfile(index_path):
             try:
@@ -236,7 +235,8 @@ class HFCheckpoint:
             except (ValueError, KeyError) as e:
                 raise CheckpointError(f"{index_path} is malformed ({e!r})") from None
         elif os.path.isfile(os.path.join(path, SINGLE_NAME)):
-            weight_map = None
+            files[SINGLE_NAME] = SafetensorsFile(os.path.join(path, SINGLE_NAME))
+            weight_map = dict.fromkeys(files[SINGLE_NAME].tensors, SINGLE_NAME)
         else:
             other = [e for e in entries if e.endswith((".bin", ".pt", ".pth", ".safetensors"))]
             found = f" (found {', '.join(other[:3])})" if other else ""
@@ -244,24 +244,19 @@ class HFCheckpoint:
                 f"{path} has no {SINGLE_NAME} or {INDEX_NAME}{found}; only safetensors "
                 "checkpoints are supported"
             )
-        files: dict[str, SafetensorsFile] = {}
-        if weight_map is None:
-            files[SINGLE_NAME] = SafetensorsFile(os.path.join(path, SINGLE_NAME))
-            weight_map = dict.fromkeys(files[SINGLE_NAME].tensors, SINGLE_NAME)
-        else:
-            for name, fname in weight_map.items():
-                if fname not in files:
-                    full = os.path.join(path, fname)
-                    if not os.path.isfile(full):
-                        raise CheckpointError(
-                            f"{INDEX_NAME} in {path} names shard {fname} (holding {name}), "
-                            "which is missing"
-                        )
-                    files[fname] = SafetensorsFile(full)
-                if name not in files[fname].tensors:
+        for name, fname in weight_map.items():
+            if fname not in files:
+                full = os.path.join(path, fname)
+                if not os.path.isfile(full):
                     raise CheckpointError(
-                        f"{INDEX_NAME} in {path} places {name} in {fname}, which does not hold it"
+                        f"{INDEX_NAME} in {path} names shard {fname} (holding {name}), "
+                        "which is missing"
                     )
+                files[fname] = SafetensorsFile(full)
+            if name not in files[fname].tensors:
+                raise CheckpointError(
+                    f"{INDEX_NAME} in {path} places {name} in {fname}, which does not hold it"
+                )
         self.files = files
         self.tensors: dict[str, TensorInfo] = {
             name: files[fname].tensors[name] for name, fname in weight_map.items()
@@ -281,9 +276,6 @@ class HFCheckpoint:
     def close(self) -> None:
         for f in self.files.values():
             f.close()
-
-    def __enter__(self) -> HFCheckpoint:
-        return self
 
     def __exit__(self, *exc) -> None:
         self.close()

@@ -86,10 +86,16 @@ def model_keys(meta: Metadata) -> dict[str, str]:
     return out
 
 
-def model_entries(meta: Metadata) -> dict[str, TensorStorageMetadata]:
-    """HF key -> tensor metadata of the checkpoint's model tensors."""
+def model_entries(meta: Metadata, path: Path) -> dict[str, TensorStorageMetadata]:
+    """HF key -> tensor metadata of the model tensors; ConfigError if there are none."""
     entries = {name: meta.state_dict_metadata[key] for name, key in model_keys(meta).items()}
-    return {k: v for k, v in entries.items() if isinstance(v, TensorStorageMetadata)}
+    tensors = {k: v for k, v in entries.items() if isinstance(v, TensorStorageMetadata)}
+    if not tensors:
+        raise ConfigError(
+            f"checkpoint {path} has no '{MODEL}' entry; expected one saved as "
+            "{'model': {<HF names>: tensors}, ...}"
+        )
+    return tensors
 
 
 def is_training_checkpoint(meta: Metadata) -> bool:
@@ -122,7 +128,7 @@ def check_model_shapes(
     model_cfg: ModelConfig | None = None,
 ) -> None:
     """ConfigError naming the first model tensor whose presence or shape differs."""
-    saved = model_entries(meta)
+    saved = model_entries(meta, path)
     hint = _config_diff(read_config(path), model_cfg) if model_cfg is not None else ""
     for key, shape in expected.items():
         if key not in saved:
@@ -167,7 +173,7 @@ def iter_model_tensors(
     byte ranges it needs), so the caller never holds more than the tensor it is looking at.
     """
     meta = meta if meta is not None else read_metadata(path)
-    entries = model_entries(meta)
+    entries = model_entries(meta, path)
     reader = _Reader(path, meta)
     for key in entries if keys is None else keys:
         md = entries[key]

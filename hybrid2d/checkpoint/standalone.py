@@ -79,7 +79,7 @@ def _tensors(src: Source, cfg: ModelConfig):
     where = str(src.path)
     if src.kind == "dcp":
         meta = read_metadata(src.path)
-        found = {n: tuple(t.size) for n, t in model_entries(meta).items()}
+        found = {n: tuple(t.size) for n, t in model_entries(meta, src.path).items()}
         yield from iter_model_tensors(src.path, meta, check_tensor_names(found, cfg, where))
         return
     with HFCheckpoint(where) as ckpt:
