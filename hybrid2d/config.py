@@ -502,9 +502,7 @@ def _suggest(key: str, names) -> str:
     return f"the closest valid one is {close!r}" if close else "none is valid here"
 
 
-_BOOLS = dict.fromkeys(("true", "yes", "on", "1"), True) | dict.fromkeys(
-    ("false", "no", "off", "0"), False
-)
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 _REGISTRY = ConstructorRegistry()
 
 
@@ -517,9 +515,9 @@ def _bool_rule(info) -> PrimitiveConstructorSpec | None:
 
     def parse(args: list[str]) -> bool:
         text = args[0].lower() if args else "true"
-        if text not in _BOOLS:
+        if text not in _TRUE + _FALSE:
             raise ValueError(f"{args[0]!r} is not true or false")
-        return _BOOLS[text]
+        return text in _TRUE
 
     return PrimitiveConstructorSpec(
         nargs=(0, 1),
@@ -583,6 +581,7 @@ def apply_overrides(cfg: JobConfig, args: list[str]) -> set[str]:
 
 
 def _unknown(arg: str) -> ConfigError:
+    """The error for the first argument tyro did not know."""
     if not arg.startswith("--") or arg == "--":
         return ConfigError(f"unexpected argument {arg!r}; settings look like --train.steps 50")
     key = arg[2:].partition("=")[0].replace("-", "_")
