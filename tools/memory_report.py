@@ -26,6 +26,8 @@ import os
 import sys
 import time
 
+import psutil
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hybrid2d import recipes  # noqa: E402
@@ -71,12 +73,6 @@ def parse(argv: list[str]):
     ap.add_argument("--out", default=None, help="report folder, or a path ending in .md/.html")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON too")
     return ap.parse_known_args(argv)
-
-
-def available_memory() -> int:
-    import psutil
-
-    return psutil.virtual_memory().available
 
 
 def largest_micro_batch(
@@ -191,7 +187,7 @@ def run(args, rest: list[str]) -> int:
         )
         mine = [entry]
         if args.simulate:
-            budget = int(available_memory() * SIM_MEMORY_FRACTION)
+            budget = int(psutil.virtual_memory().available * SIM_MEMORY_FRACTION)
             sim_cfg, why = pick_simulation_config(cfg, mesh, target, budget)
             if why:
                 print(why, flush=True)

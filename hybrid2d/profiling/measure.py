@@ -197,43 +197,29 @@ class MemoryTracker(TorchDispatchMode):
 
     # ---- hooks ------------------------------------------------------------------------------
 
-    def _fsdp_modules(self) -> list[tuple[nn.Module, list[str]]]:
-        """FSDP modules with the names of the parameters each one manages itself."""
+    def _install_hooks(self) -> None:
         from torch.distributed.fsdp import FSDPModule
 
-        units = [(n, m) for n, m in self.model.named_modules() if isinstance(m, FSDPModule)]
-        out = []
-        for name, module in units:
-            prefix = name + "." if name else ""
-            inner = [n[len(prefix) :] for n, _ in units if n != name and n.startswith(prefix)]
-            own = [
-                pname
-                for pname, _ in module.named_parameters(remove_duplicate=False)
-                if not any(pname.startswith(i + ".") for i in inner)
-            ]
-            out.append((module, own))
-        return out
+        # Runs after FSDP's own pre-forward, which has gathered the unit's parameters and swapped
+        # them into their modules: what the modules hold now are the unsharded parameters.
+        def pre_forward(unit, _args):
+            for fsdp_param in _fsdp_params(unit):
+                # Gradients kept unsharded between micro batches (their sync deferred); in fp32
+                # under mixed precision, where FSDP2 holds them apart from `.grad`.
+                acc = getattr(fsdp_param, "unsharded_accumulated_grad", None)
+                if acc is not None:
+                    self._add(acc, "communication", retag=True)
+                info = fsdp_param._module_info
+                p = getattr(info.module, info.param_name)
+                self._add(p, "communication", retag=True)
+                if id(p) not in self._grad_hooked and p.requires_grad:
+                    self._grad_hooked.add(id(p))
+                    hook = functools.partial(self._tag_grad, "communication")
+                    self._handles.append(p.register_post_accumulate_grad_hook(hook))
 
-    def _install_hooks(self) -> None:
-        for module, names in self._fsdp_modules():
-            # Runs after FSDP's own pre-forward, which has gathered this unit's parameters and
-            # swapped them in: what the module holds now are the unsharded parameters.
-            def pre_forward(mod, _args, names=names):
-                # Gradients kept unsharded between micro batches (their sync deferred); in
-                # fp32 under mixed precision, where FSDP2 holds them apart from `.grad`.
-                for fsdp_param in _fsdp_params(mod):
-                    acc = getattr(fsdp_param, "unsharded_accumulated_grad", None)
-                    if acc is not None:
-                        self._add(acc, "communication", retag=True)
-                for name in names:
-                    p = mod.get_parameter(name)
-                    self._add(p, "communication", retag=True)
-                    if id(p) not in self._grad_hooked and p.requires_grad:
-                        self._grad_hooked.add(id(p))
-                        hook = functools.partial(self._tag_grad, "communication")
-                        self._handles.append(p.register_post_accumulate_grad_hook(hook))
-
-            self._handles.append(module.register_forward_pre_hook(pre_forward))
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                self._handles.append(module.register_forward_pre_hook(pre_forward))
         for p in self.model.parameters():
             if p.requires_grad:
                 hook = functools.partial(self._tag_grad, "gradients")
