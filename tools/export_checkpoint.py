@@ -44,8 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     from hybrid2d.sizes import parse_size
 
     def work() -> str:
-        if args.dtype.lower() not in ("fp32", "float32", "bf16", "bfloat16"):
-            raise ConfigError(f"--dtype {args.dtype!r} is not one of fp32, bf16")
+        dtype = parse_dtype(args.dtype, ("fp32", "bf16"))
         src = standalone.locate(args.checkpoint)
         if src.kind != "dcp":
             raise ConfigError(
@@ -57,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             parse_size(args.max_shard_size, "--max-shard-size") if args.max_shard_size else ONE_FILE
         )
         summary = convert_dcp_to_hf(
-            str(src.path), args.out, cap, parse_dtype(args.dtype), progress=not args.no_progress
+            str(src.path), args.out, cap, dtype, progress=not args.no_progress
         )
         shutil.copyfile(
             src.path / layout.CONFIG, os.path.join(args.out, standalone.HYBRID2D_CONFIG)

@@ -18,12 +18,11 @@ error line on each rank and no rank waits for the others.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,7 +32,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from hybrid2d.checkpoint.hf_safetensors import CheckpointError, HFCheckpoint
+from hybrid2d.checkpoint.hf_safetensors import CheckpointError, HFCheckpoint, load_json
 from hybrid2d.checkpoint.reader import (
     expected_model_shapes,
     model_entries,
@@ -251,19 +250,14 @@ def check_tensor_names(
                 f"{where}: tensor {name} has shape {list(found[name])} but {what} implies "
                 f"{list(shape)}"
             )
-    names = []
     for name, shape in found.items():
-        if name in want:
-            names.append(name)
-        elif name == "lm_head.weight" and tuple(shape) == want["model.embed_tokens.weight"]:
-            names.append(name)
-        elif not name.endswith(IGNORED_SUFFIXES):
+        tied_head = name == "lm_head.weight" and tuple(shape) == want["model.embed_tokens.weight"]
+        if name not in want and not tied_head and not name.endswith(IGNORED_SUFFIXES):
             raise CheckpointError(
                 f"{where}: unexpected tensor {name} (shape {list(shape)}) for a Llama with "
                 f"this {what}"
             )
-    order = {n: i for i, n in enumerate([*want, "lm_head.weight"])}
-    return sorted(names, key=lambda n: order[n])
+    return [name for name in dict.fromkeys([*want, "lm_head.weight"]) if name in found]
 
 
 # ---- loading into a (sharded) model ----------------------------------------------------------
@@ -273,10 +267,9 @@ def check_tensor_names(
 class LoadReport:
     source: str
     tensors: int = 0
-    bytes_read: int = 0  # tensor bytes this rank read from disk (hf:)
+    bytes_read: int = 0  # tensor bytes this rank read from disk (0: dcp.load read them)
     checkpoint_bytes: int = 0  # bytes of the model's tensors in the checkpoint
     seconds: float = 0.0
-    per_tensor: dict[str, int] = field(default_factory=dict)
 
 
 _last_report: LoadReport | None = None
@@ -338,9 +331,8 @@ def _fill_blocks(model: nn.Module, source: str, start: float, checkpoint_bytes: 
     for name, param in model.named_parameters():  # tied: only model.embed_tokens.weight
         offsets, sizes = local_block(param)
         local = param.to_local() if isinstance(param, DTensor) else param
-        report.per_tensor[name] = read_into(name, offsets, sizes, local)
+        report.bytes_read += read_into(name, offsets, sizes, local)
         report.tensors += 1
-    report.bytes_read = sum(report.per_tensor.values())
     _recompute_buffers(model)
     report.seconds = time.perf_counter() - start
     return report
@@ -370,11 +362,7 @@ def read_saved_model_config(path: str) -> ModelConfig | None:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         return None
-    try:
-        with open(cfg_path) as f:
-            data = json.load(f)
-    except ValueError as e:
-        raise CheckpointError(f"{cfg_path} is not valid JSON ({e})") from None
+    data = load_json(cfg_path)
     if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
         return None
     return JobConfig.from_dict({"model": data["model"]}).model

@@ -43,6 +43,7 @@ from hybrid2d.checkpoint.hf_safetensors import (
     CheckpointError,
     HFCheckpoint,
     TensorSpec,
+    load_json,
     plan_shards,
     write_safetensors,
 )
@@ -71,12 +72,14 @@ def run_tool(work: Callable[[], str]) -> int:
     return 0
 
 
-def parse_dtype(text: str | None) -> torch.dtype | None:
+def parse_dtype(text: str | None, allowed=("fp32", "bf16", "fp16")) -> torch.dtype | None:
+    """--dtype: one of `allowed` or its long name (float32, ...); None when not given."""
     if not text:
         return None
-    if text.lower() not in DTYPE_ALIASES:
-        raise CheckpointError(f"--dtype {text!r} is not one of fp32, bf16, fp16")
-    return DTYPE_ALIASES[text.lower()]
+    dtype = DTYPE_ALIASES.get(text.lower())
+    if dtype not in [DTYPE_ALIASES[a] for a in allowed]:
+        raise CheckpointError(f"--dtype {text!r} is not one of {', '.join(allowed)}")
+    return dtype
 
 
 # ---- memory ----------------------------------------------------------------------------------
@@ -215,8 +218,7 @@ def convert_hf_to_dcp(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    ckpt = HFCheckpoint(src)
-    with ckpt:
+    with HFCheckpoint(src) as ckpt:
         cfg = model_config_from_hf(ckpt.config, os.path.join(src, "config.json"))
         shapes = {n: t.shape for n, t in ckpt.tensors.items()}
         names = check_tensor_names(shapes, cfg, src)
@@ -281,8 +283,7 @@ def _export_hf_config(src: str) -> tuple[ModelConfig, dict | None]:
                 "write a Hugging Face config"
             )
         return saved, None
-    with open(hf_path) as f:
-        hf = json.load(f)
+    hf = load_json(hf_path)
     cfg = model_config_from_hf(hf, hf_path)
     bad = config_mismatch(cfg, saved) if saved is not None else ()
     if bad:

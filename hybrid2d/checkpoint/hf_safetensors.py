@@ -84,6 +84,15 @@ class TensorInfo(TensorSpec):
     start: int = 0  # absolute byte offset of the data in the file
 
 
+def load_json(path: str | os.PathLike):
+    """The parsed JSON file; CheckpointError (one line) if it is unreadable or not valid JSON."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is not a readable JSON file ({e})") from None
+
+
 def _read_exact(f, offset: int, out: memoryview, what: str) -> None:
     f.seek(offset)
     pos = 0
@@ -221,19 +230,14 @@ class HFCheckpoint(contextlib.AbstractContextManager):
                 f"{path} has no config.json (found {', '.join(entries[:5])}); not a Hugging "
                 "Face model directory"
             )
-        try:
-            with open(config_path) as f:
-                self.config = json.load(f)
-        except ValueError as e:
-            raise CheckpointError(f"{config_path} is not valid JSON ({e})") from None
+        self.config = load_json(config_path)
         files: dict[str, SafetensorsFile] = {}
         index_path = os.path.join(path, INDEX_NAME)
         if os.path.isfile(index_path):
-            try:
-                with open(index_path) as f:
-                    weight_map = json.load(f)["weight_map"]
-            except (ValueError, KeyError) as e:
-                raise CheckpointError(f"{index_path} is malformed ({e!r})") from None
+            index = load_json(index_path)
+            if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+                raise CheckpointError(f"{index_path} is malformed (no weight_map)")
+            weight_map = index["weight_map"]
         elif os.path.isfile(os.path.join(path, SINGLE_NAME)):
             files[SINGLE_NAME] = SafetensorsFile(os.path.join(path, SINGLE_NAME))
             weight_map = dict.fromkeys(files[SINGLE_NAME].tensors, SINGLE_NAME)
@@ -302,11 +306,11 @@ def write_safetensors(
     specs: Sequence[TensorSpec],
     produce: Callable[[TensorSpec], torch.Tensor],
     metadata: dict[str, str] | None = None,
-) -> int:
+) -> None:
     """Write one safetensors file, asking `produce` for each tensor only when it is written.
 
     The header is computed from the specs up front, so at most one tensor is in memory at a
-    time. Returns the bytes of tensor data written.
+    time.
     """
     header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
     offset = 0
@@ -321,7 +325,6 @@ def write_safetensors(
         offset += s.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
-    written = 0
     with open(path, "wb") as f:
         f.write(len(blob).to_bytes(8, "little"))
         f.write(blob)
@@ -333,6 +336,4 @@ def write_safetensors(
                 )
             t = t.detach().cpu().contiguous()
             f.write(_byte_view(t))
-            written += s.nbytes
             del t
-    return written

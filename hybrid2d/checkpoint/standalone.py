@@ -8,7 +8,6 @@ copy of the weights.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import torch
 
 from hybrid2d.checkpoint import integrity, layout
 from hybrid2d.checkpoint.hf import check_tensor_names, model_config_from_hf
-from hybrid2d.checkpoint.hf_safetensors import HFCheckpoint
+from hybrid2d.checkpoint.hf_safetensors import HFCheckpoint, load_json
 from hybrid2d.checkpoint.reader import (
     iter_model_tensors,
     model_entries,
@@ -64,13 +63,8 @@ def model_config(src: Source) -> ModelConfig:
         return saved.model
     own = src.path / HYBRID2D_CONFIG
     if own.is_file():
-        return JobConfig.from_dict(json.loads(own.read_text())).model
-
-    try:
-        hf = json.loads((src.path / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{src.path}/config.json is unreadable ({e})") from None
-    return model_config_from_hf(hf, str(src.path / "config.json"))
+        return JobConfig.from_dict(load_json(own)).model
+    return model_config_from_hf(load_json(src.path / "config.json"), str(src.path / "config.json"))
 
 
 def _tensors(src: Source, cfg: ModelConfig):
