@@ -17,6 +17,7 @@ from hybrid2d.config import ConfigError, JobConfig, ModelConfig
 from hybrid2d.metrics import flops_per_token
 from hybrid2d.planner import Hardware, Link, best_plan, hardware, plan, predict
 from hybrid2d.planner.calibrate import fit_latency_bandwidth
+from hybrid2d.planner.model import flops as planner_flops
 from hybrid2d.planner.model import unit_bytes
 from hybrid2d.profiling.estimate import MeshShape, compute_dtype_bytes, estimate
 from tests.launch import REPO, launcher_env, retry_if_port_taken
@@ -445,3 +446,81 @@ def test_validation_model_is_the_benchmarks_default():
     values.append(model.vocab_size)
     for flag, value in zip(bench_args, values, strict=True):
         assert re.search(rf'"{flag}", type=int, default={value}\)', text), flag
+
+
+# ---- recomputation, counted in a real step (slow) ----------------------------------------------
+
+
+def _count_recompute_worker(out: str, dp: int, tp: int) -> None:
+    """Rank body: one training step per checkpointing mode on a tiny (dp, tp) mesh, counting the
+    matmul FLOPs it executes (mm operands' shapes) and the tp collectives' payload bytes."""
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hybrid2d.comm_report import CollectiveCounter
+    from hybrid2d.mesh import build_mesh, init_distributed, shutdown_distributed
+    from hybrid2d.trainer import Trainer
+    from tests.reference import global_batches, tiny_config
+
+    class MatmulFlops(TorchDispatchMode):
+        flops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ == "mm":
+                (rows, inner), cols = args[0].shape, args[1].shape[1]
+                self.flops += 2 * rows * inner * cols
+            return func(*args, **(kwargs or {}))
+
+    init_distributed("cpu", 60)
+    mesh = build_mesh("cpu", 1, dp, tp)
+    counted = {}
+    for ac in ("none", "selective", "full"):
+        cfg = tiny_config("sgd", 1.0, steps=2)
+        cfg.parallel.tp, cfg.parallel.dp_shard, cfg.train.micro_batch = tp, dp, 1
+        cfg.parallel.activation_checkpoint = ac
+        cfg.validate(dp * tp)
+        trainer = Trainer(cfg, mesh)
+        per = cfg.train.global_batch // dp
+        lo = mesh.dp_rank * per
+        for step, (x, y) in enumerate(global_batches(cfg)):
+            micro = [(x[i : i + 1], y[i : i + 1]) for i in range(lo, lo + per)]
+            if step == 0:
+                trainer.train_step(micro)
+                continue
+            with CollectiveCounter() as comm, MatmulFlops() as mm:
+                trainer.train_step(micro)
+            tp_bytes = sum(b for k, b in comm.bytes.items() if k.startswith("tp_"))
+            counted[ac] = {"matmul_flops": mm.flops, "tp_bytes": tp_bytes}
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(counted, f)
+    shutdown_distributed()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp, tp", [(1, 2), (2, 1)])
+def test_recompute_is_what_a_step_executes(tmp_path, dp, tp):
+    """What each checkpointing mode adds to a step, counted while it runs, equals what the
+    planner prices: recomputed matmul FLOPs (selective: the o projection on tp > 1, nothing on
+    tp = 1) and the tp bytes of full checkpointing's repeated collectives."""
+    from tests.launch import check_ok, run_ranks
+    from tests.reference import tiny_config
+
+    out = tmp_path / "counted.json"
+    code = "from tests.test_planner import _count_recompute_worker as w; w(%r, %d, %d)"
+    code = code % (str(out), dp, tp)
+    check_ok(run_ranks(dp * tp, ["-c", code], timeout=300))
+    counted = json.loads(out.read_text())
+    cpu = hardware.get("cpu")
+    for ac in ("selective", "full"):
+        job = tiny_config("sgd", 1.0, steps=2)
+        job.train.micro_batch = 1
+        job.parallel.activation_checkpoint = ac
+        cand = predict(job, MeshShape(1, dp, tp), cpu, dp * tp)
+        none = predict(with_settings(job, "none", 1), MeshShape(1, dp, tp), cpu, dp * tp)
+        f = planner_flops(job.model, job.train.seq_len, ac, tp)
+        tokens = job.train.global_batch * job.train.seq_len / (dp * tp)
+        extra = counted[ac]["matmul_flops"] - counted["none"]["matmul_flops"]
+        assert extra == pytest.approx(f["recompute_matmul"] * tokens, rel=1e-9), ac
+        assert counted[ac]["tp_bytes"] == cand.details["tp_bytes"], ac
+        assert counted["none"]["tp_bytes"] == none.details["tp_bytes"]

@@ -190,8 +190,6 @@ GiB = 2**30
 
 # Achieved fractions: assumptions, the same for every preset unless a source says otherwise.
 _ASSUMED = {
-    "matmul_efficiency": "assumption: large bf16 cuBLAS GEMMs of training shapes reach about "
-    "70-80% of the dense peak; 0.75 taken. Measure it: tools/plan.py --calibrate --device cuda",
     "memory_efficiency": "assumption: unfused elementwise kernels stream at about 80% of peak HBM "
     "bandwidth (STREAM-like copies reach 80-90%)",
     "intra.efficiency": "assumption: NCCL ring bus bandwidth over NVLink is about 80% of the "
@@ -200,18 +198,43 @@ _ASSUMED = {
     "intra.latency_s": "assumption: 15 us per NCCL collective inside a node (small messages)",
     "inter.latency_s": "assumption: 30 us per NCCL collective across nodes",
 }
+# Matmul: the Maximum Achievable Matmul FLOPS table (stas00/ml-engineering,
+# compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS comparison table", BF16, v2
+# benchmark: mean of 100 iterations of torch.matmul at the best shape found), an upper bound for
+# the model's large GEMMs (8B at 8k tokens: 16384 x 4096 x 4096..14336).
+_MAMF = "https://github.com/stas00/ml-engineering/blob/master/compute/accelerator/README.md"
+_MAMF_A100 = (0.869, f"MAMF table ({_MAMF}): A100 SXM 271.2 of 312 TFLOPS bf16 = 86.9%")
+_MAMF_H100 = (0.803, f"MAMF table ({_MAMF}): H100 SXM 794.5 of 989 TFLOPS bf16 = 80.3%")
+_MAMF_H200 = (
+    0.803,
+    f"MAMF table ({_MAMF}) has no H200 SXM row: the H100 SXM's 80.3% taken (the same GH100 "
+    "compute at 700 W; the 900 W GH200 reaches 83.6%)",
+)
+_MAMF_B200 = (
+    0.75,
+    "assumption: no public MAMF figure for B200; 0.75 taken (Hopper and Ampere reach 80-87%). "
+    "Measure it: tools/plan.py --calibrate --device cuda",
+)
+# Attention: the FlashAttention papers count backward as 2.5x forward FLOPs (5 matmuls, as the
+# kernel recomputes the scores); flops_per_token counts it as 2x (12 per forward 4). A kernel
+# reaching fraction e of peak by the papers' count reaches e x 3 / 3.5 by the model's.
+_FA_COUNT = 3 / 3.5
 _FA2 = (
-    "FlashAttention-2 (Dao, 2023, arXiv:2307.08691): forward reaches 50-73% of A100 peak, "
-    "backward less; 0.5 taken for forward + backward"
+    0.5 * _FA_COUNT,
+    "FlashAttention-2 (Dao, 2023, arXiv:2307.08691, section 4.1): forward reaches 50-73% of "
+    "A100 peak, backward less, counting backward as 2.5x forward FLOPs; 0.5 taken, x 3/3.5 for "
+    "flops_per_token's 2x backward: 0.43",
 )
 _FA3_H = (
-    "FlashAttention-3 (Shah et al., 2024, arXiv:2407.08608): FlashAttention-2 reaches about 35% "
-    "of H100 peak; 0.35 taken"
+    0.35 * _FA_COUNT,
+    "FlashAttention-3 (Shah et al., 2024, arXiv:2407.08608): FlashAttention-2 (PyTorch's SDPA "
+    "flash backend) reaches about 35% of H100 peak by the papers' count (backward 2.5x "
+    "forward); x 3/3.5 for flops_per_token's 2x backward: 0.30",
 )
 
 
 def _gpu(
-    name, description, peak, memory_gib, hbm, nvlink_dir, nic_dir, attention, sources
+    name, description, peak, memory_gib, hbm, nvlink_dir, nic_dir, matmul, attention, sources
 ) -> Hardware:
     return Hardware(
         name=name,
@@ -223,11 +246,16 @@ def _gpu(
         gpus_per_node=8,
         intra=Link(bandwidth=nvlink_dir, efficiency=0.8, latency_s=15e-6),
         inter=Link(bandwidth=nic_dir, efficiency=0.8, latency_s=30e-6),
-        matmul_efficiency=0.75,
+        matmul_efficiency=matmul[0],
         attention_efficiency=attention[0],
         memory_efficiency=0.8,
         comm_overlap=True,
-        sources={**sources, **_ASSUMED, "attention_efficiency": attention[1]},
+        sources={
+            **sources,
+            **_ASSUMED,
+            "matmul_efficiency": matmul[1],
+            "attention_efficiency": attention[1],
+        },
     )
 
 
@@ -240,7 +268,8 @@ PRESETS: dict[str, Hardware] = {
         3.35e12,
         450 * GB,
         50 * GB,
-        (0.35, _FA3_H),
+        _MAMF_H100,
+        _FA3_H,
         {
             "peak_flops": "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: BF16 Tensor Core "
             "1,979 TFLOPS with sparsity; dense (no sparsity) is half, 989.4 TFLOPS",
@@ -262,7 +291,8 @@ PRESETS: dict[str, Hardware] = {
         4.8e12,
         450 * GB,
         50 * GB,
-        (0.35, _FA3_H + " (H200 has the H100's compute)"),
+        _MAMF_H200,
+        (_FA3_H[0], _FA3_H[1] + " (H200 has the H100's compute)"),
         {
             "peak_flops": "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: BF16 Tensor Core "
             "1,979 TFLOPS with sparsity; dense is half, 989.4 TFLOPS",
@@ -283,7 +313,8 @@ PRESETS: dict[str, Hardware] = {
         2.039e12,
         300 * GB,
         25 * GB,
-        (0.5, _FA2),
+        _MAMF_A100,
+        _FA2,
         {
             "peak_flops": "NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM: BF16 Tensor "
             "Core 312 TFLOPS (624 with sparsity)",
@@ -304,7 +335,8 @@ PRESETS: dict[str, Hardware] = {
         8.0e12,
         900 * GB,
         50 * GB,
-        (0.35, _FA3_H + "; no published Blackwell figure, Hopper's taken"),
+        _MAMF_B200,
+        (_FA3_H[0], _FA3_H[1] + "; no published Blackwell figure, Hopper's taken"),
         {
             "peak_flops": "NVIDIA HGX B200 specifications: FP16/BF16 Tensor Core 4.5 PFLOPS per "
             "GPU with sparsity; dense is half, 2.25 PFLOPS",

@@ -13,8 +13,8 @@ Priced per rank and per optimizer step (b = micro batch, S = sequence, N = b*S t
               + attention FLOPs (model + recompute) / achieved attention rate
               + elementwise bytes / achieved memory bandwidth
     tp comm   = sum over tp collectives of latency + ring factor x bytes / intra-node bandwidth,
-                all on the critical path (no async TP); full checkpointing repeats the forward's
-                sequence-parallel gathers and reduce-scatters of every block
+                all on the critical path (no async TP); full checkpointing repeats each
+                block's two sequence gathers and its attention reduce-scatter
     FSDP comm = the all-gathers (forward, backward re-gather) and reduce-scatters of
                 `analytic_step`, plus HSDP's all-reduce of the gradient shards across replicas,
                 each over the link its group spans (NVLink when the group lies inside a node,
@@ -23,9 +23,14 @@ Priced per rank and per optimizer step (b = micro batch, S = sequence, N = b*S t
                 that block's compute (all of it on CPU, where copies take the cores compute uses)
     optimizer = AdamW (or SGD) over the rank's parameter shard plus clipping, memory-bound
 
-Recompute: full checkpointing reruns each block's forward (its matmuls, attention and
-elementwise ops); selective reruns the elementwise ops and the o and down projections (the
-matmuls whose outputs only feed a reduce-scatter, see `parallel/activation_checkpoint.py`).
+Recompute, as counted in a real step (a dispatch counter on 1x2 and 2x1, docs/planner.md): full
+checkpointing reruns each block's forward up to the last tensor backward needs (matmuls but the
+down projection, attention, elementwise ops, and on tp > 1 both sequence gathers and the
+attention's reduce-scatter: non-reentrant checkpointing stops recomputing once every saved
+tensor is back, and down's output and the MLP's reduce-scatter feed no saved tensor);
+selective reruns the elementwise ops and, on tp > 1, the o projection (row-parallel outputs
+are not kept, `parallel/activation_checkpoint.py`; down is past the last needed tensor). With
+tp = 1 selective reruns no matmul. Neither reruns any other collective.
 
 Elementwise traffic is counted per element of each unfused eager op (bytes read + written):
 RMSNorm (fp32 upcast, square, mean, scale, cast back, weight) on the sequence-parallel [N/tp, dim]
@@ -46,7 +51,7 @@ from dataclasses import dataclass, field
 from hybrid2d.comm_report import analytic_step
 from hybrid2d.config import ConfigError, JobConfig, ModelConfig
 from hybrid2d.metrics import flops_per_token
-from hybrid2d.planner.hardware import Hardware
+from hybrid2d.planner.hardware import Hardware, Link
 from hybrid2d.profiling.estimate import (
     MeshShape,
     compute_dtype_bytes,
@@ -135,17 +140,20 @@ def job_on_mesh(cfg: JobConfig, mesh: MeshShape) -> JobConfig:
 # ---- the pieces ------------------------------------------------------------------------------
 
 
-def flops(m: ModelConfig, seq_len: int, activation_checkpoint: str) -> dict[str, float]:
+def flops(
+    m: ModelConfig, seq_len: int, activation_checkpoint: str, tp: int = 1
+) -> dict[str, float]:
     """FLOPs per training token: the model's (flops_per_token, split into matmuls and attention)
-    and what checkpointing recomputes."""
+    and what checkpointing recomputes (selective: the o projection when tp > 1, else none)."""
     total = flops_per_token(m, seq_len)
     matmul = flops_per_token(m, 0)  # the attention term is proportional to the sequence
     attention = total - matmul
     head = 6 * m.vocab_size * m.dim  # the output projection (no recompute: outside the blocks)
-    if activation_checkpoint == "full":
-        recompute_mm, recompute_attn = (matmul - head) / 3, attention / 3
+    if activation_checkpoint == "full":  # the block's forward but its last matmul (down)
+        down = 2 * m.n_layers * m.dim * m.ffn_dim
+        recompute_mm, recompute_attn = (matmul - head) / 3 - down, attention / 3
     elif activation_checkpoint == "selective":
-        recompute_mm = 2 * m.n_layers * m.dim * (m.n_heads * m.head_dim + m.ffn_dim)
+        recompute_mm = 2 * m.n_layers * m.dim * m.n_heads * m.head_dim if tp > 1 else 0.0
         recompute_attn = 0.0
     else:
         recompute_mm = recompute_attn = 0.0
@@ -225,6 +233,36 @@ def group_inside_node(span: int, gpus_per_node: int) -> bool:
     return span <= gpus_per_node and gpus_per_node % span == 0
 
 
+@dataclass
+class GroupLink:
+    """The link a process group's collectives run over. A group that leaves the node uses each
+    node's `lanes` NICs at once (one per member of the group on that node): NCCL's rings enter
+    and leave a node once per channel, one channel per NIC, and forward what enters over NVLink
+    to the node's other members, so a node's share of an all-gather crosses the network once,
+    not once per GPU (nccl-tests' inter-node bus bandwidth is the node's NICs together). The
+    NVLink hops inside each node still carry the whole ring: the slower of the two sets the
+    time."""
+
+    link: Link
+    lanes: int = 1
+    intra: Link | None = None  # the in-node link a cross-node group also uses
+    kind: str = "intra"
+
+    def seconds(self, kind: str, n: int, payload: float, count: int = 1) -> float:
+        if self.lanes <= 1 or self.intra is None:
+            return self.link.seconds(kind, n, payload, count)
+        across = self.link.seconds(kind, n, payload / self.lanes, count)
+        return max(across, self.intra.seconds(kind, n, payload, count))
+
+
+def group_link(hw: Hardware, size: int, stride: int, gpus_per_node: int) -> GroupLink:
+    """The link of a group of `size` ranks `stride` apart (ranks are numbered node by node)."""
+    if group_inside_node(size * stride, gpus_per_node):
+        return GroupLink(hw.intra)
+    lanes = max(1, min(size, gpus_per_node // stride)) if hw.target == "cuda" else 1
+    return GroupLink(hw.inter, lanes, hw.intra, "inter")
+
+
 # ---- the prediction --------------------------------------------------------------------------
 
 
@@ -265,7 +303,7 @@ def predict_valid(
     comm_scale = 1.0 / min(1.0, share) if hw.host_cores else 1.0
 
     # ---- compute ----------------------------------------------------------------------------
-    f = flops(m, S, p.activation_checkpoint)
+    f = flops(m, S, p.activation_checkpoint, T)
     rank_tokens = local * S / T  # tp ranks split the work of their dp group's tokens
     mm_flops = (f["matmul"] + f["recompute_matmul"]) * rank_tokens
     attn_flops = (f["attention"] + f["recompute_attention"]) * rank_tokens
@@ -281,14 +319,15 @@ def predict_valid(
     # ---- collectives (the comm report's analytic counts) ------------------------------------
     step = analytic_step(m, Sh, T, local, S, n_micro, p.reshard_after_forward, elt=c)
     step_fp32 = analytic_step(m, Sh, T, local, S, n_micro, p.reshard_after_forward, elt=4)
-    tp_link = hw.intra if group_inside_node(T, G) else hw.inter
+    tp_link = group_link(hw, T, 1, G)
     tp_s = 0.0
     tp_bytes = 0
     for kind in ("all_gather", "reduce_scatter", "all_reduce"):
         count, payload = step.get(f"tp_{kind}", (0, 0))
         if p.activation_checkpoint == "full" and kind != "all_reduce" and count:
-            # The recomputed forward repeats each block's two sequence-parallel collectives.
-            extra = 2 * m.n_layers * n_micro
+            # The recomputed forward repeats each block's two sequence gathers and the
+            # attention's reduce-scatter (it stops before the MLP's, the block's last op).
+            extra = (2 if kind == "all_gather" else 1) * m.n_layers * n_micro
             count, payload = count + extra, payload + extra * payload / count
         tp_s += tp_link.seconds(kind, T, payload, count)
         tp_bytes += payload
@@ -296,8 +335,8 @@ def predict_valid(
 
     defer = p.defer_grad_sync and n_micro > 1
     syncs = 1 if defer else n_micro  # gradient reduce-scatters (and HSDP all-reduces) per step
-    shard_link = hw.intra if group_inside_node(Sh * T, G) else hw.inter
-    rep_link = hw.intra if group_inside_node(W, G) else hw.inter
+    shard_link = group_link(hw, Sh, T, G)
+    rep_link = group_link(hw, R, Sh * T, G)
     ag_count, ag_bytes = step.get("fsdp_all_gather", (0, 0))
     rs_count, rs_bytes = step_fp32.get("fsdp_reduce_scatter", (0, 0))
     rs_count, rs_bytes = rs_count * syncs // n_micro, rs_bytes * syncs // n_micro
@@ -409,9 +448,10 @@ def predict_valid(
         "peak_phase": est.peak_phase,
         "peak_bytes": est.peak,
         "micro_batches": n_micro,
-        "tp_link": "intra" if tp_link is hw.intra else "inter",
-        "fsdp_link": "intra" if shard_link is hw.intra else "inter",
-        "replicate_link": "intra" if rep_link is hw.intra else "inter",
+        "tp_link": tp_link.kind,
+        "fsdp_link": shard_link.kind,
+        "replicate_link": rep_link.kind,
+        "fsdp_network_lanes": shard_link.lanes,
     }
     cand = Candidate(
         dp_replicate=R,

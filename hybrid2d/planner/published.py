@@ -1,15 +1,24 @@
-"""Published GPU measurements of Llama 3 training with FSDP, to hold the planner's predictions
+"""Published GPU measurements of Llama training with FSDP, to hold the planner's predictions
 against (docs/planner.md). Each row says where it comes from and on what hardware it ran.
 
 All rows are torchtitan's (PyTorch's reference trainer for the same FSDP2 + DTensor stack),
 bf16 without Float8 and without torch.compile (the rows that used them are left out). torchtitan
-trains Llama 3 at sequence length 8192; its MFU figures only agree with that length.
+trains Llama 3 at sequence length 8192 and Llama 2 at 4096; its MFU figures only agree with those.
+
+Where torchtitan's program differs from this trainer's, `predict_row` prices torchtitan's:
+its selective checkpointing is op-level (it keeps every other matmul's output and recomputes
+the others: k, o and up of each block), where this trainer's reruns no matmul on tp = 1.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+
+from hybrid2d import recipes
+from hybrid2d.planner import hardware as hwlib
+from hybrid2d.planner.model import Candidate, predict
+from hybrid2d.profiling.estimate import MeshShape
 
 TORCHTITAN_2024_12 = (
     "torchtitan docs/performance.md (versions of 2024-12-23/26), "
@@ -22,8 +31,27 @@ TORCHTITAN_2024_A100 = (
     "docs/performance.md"
 )
 # torchtitan's H100s: "Grand Teton" hosts, 8 H100 each with 96 GB HBM2e at 2.4 TB/s, 500 W
-# power limit (below the SXM's 700 W), 400 Gb/s RDMA per GPU.
+# power limit (below the SXM's 700 W), 400 Gb/s RDMA per GPU. Its footnote 2: "the actual peak
+# TFLOPs number is between SXM and NVL, and we don't know its exact value". The rows are
+# predicted at both ends: SXM 989.4 TFLOPS dense bf16 (H100 datasheet) and NVL 835.5 (H100 NVL
+# datasheet: 1,671 TFLOPS bf16 with sparsity).
 GRAND_TETON = {"memory_bytes": 96 * 2**30, "memory_bandwidth": 2.4e12}
+H100_NVL_PEAK = 835.5e12
+# Llama 2 shapes (HF meta-llama/Llama-2-13b-hf and -70b-hf config.json): no RoPE scaling,
+# vocabulary 32,000; 13B without grouped-query attention.
+LLAMA2_13B = {
+    "dim": 5120,
+    "n_layers": 40,
+    "n_heads": 40,
+    "n_kv_heads": 40,
+    "ffn_dim": 13824,
+    "vocab_size": 32000,
+    "rope_theta": 10000.0,
+    "rope_scaling_factor": 0.0,
+    "max_position_embeddings": 4096,
+}
+LLAMA2_70B = {**LLAMA2_13B, "dim": 8192, "n_layers": 80, "n_heads": 64, "n_kv_heads": 8}
+LLAMA2_70B["ffn_dim"] = 28672
 
 
 @dataclass(frozen=True)
@@ -42,6 +70,8 @@ class Published:
     tokens_per_s_per_gpu: float = 0.0
     memory_gib: float | None = None
     notes: str = ""
+    model_changes: dict = field(default_factory=dict)  # where the model is not the recipe's
+    peak_range: tuple = ()  # other peak FLOP/s the published machine may have had
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -60,8 +90,10 @@ ROWS = [
         activation_checkpoint="selective",
         tokens_per_s_per_gpu=5762,
         memory_gib=82.4,
-        notes="H100 at 500 W with HBM2e (2.4 TB/s, 96 GB); torchtitan's selective AC is op-level "
-        "(saves every other matmul output), ours saves all matmul outputs but o/down",
+        peak_range=(H100_NVL_PEAK,),
+        notes="H100 at 500 W with HBM2e (2.4 TB/s, 96 GB), peak between SXM and NVL; "
+        "torchtitan's memory is its allocator's reserved peak, and its op-level selective AC "
+        "keeps less than ours (every other matmul output; ours keeps all on tp 1)",
     ),
     Published(
         label="Llama 3.1 8B, 128 H100, FSDP 128",
@@ -75,6 +107,7 @@ ROWS = [
         activation_checkpoint="selective",
         tokens_per_s_per_gpu=5605,
         memory_gib=67.0,
+        peak_range=(H100_NVL_PEAK,),
         notes="as above, 16 hosts over 400 Gb/s RDMA per GPU",
     ),
     Published(
@@ -88,7 +121,7 @@ ROWS = [
         activation_checkpoint="selective",
         tokens_per_s_per_gpu=2973,
         notes="no memory figure published; the cluster's network is not stated (DGX A100's "
-        "200 Gb/s per GPU assumed)",
+        "200 Gb/s per GPU assumed); torchtitan's own MFU for it: 58.2%",
     ),
     Published(
         label="Llama 3 70B, 64 A100, FSDP 64",
@@ -102,4 +135,93 @@ ROWS = [
         tokens_per_s_per_gpu=331,
         notes="no memory figure published; network as above",
     ),
+    Published(
+        label="Llama 2 13B, 64 A100, FSDP 64, no AC",
+        source=TORCHTITAN_2024_A100 + " (Llama 2, no AC)",
+        recipe="llama3.1-8b",
+        model_changes=LLAMA2_13B,
+        gpu="a100-80gb",
+        nodes=8,
+        dp_shard=64,
+        local_batch=2,
+        seq_len=4096,
+        activation_checkpoint="none",
+        tokens_per_s_per_gpu=2162,
+        notes="no memory figure published; network as above",
+    ),
+    Published(
+        label="Llama 2 13B, 64 A100, FSDP 64, selective AC",
+        source=TORCHTITAN_2024_A100 + " (Llama 2, selective op AC)",
+        recipe="llama3.1-8b",
+        model_changes=LLAMA2_13B,
+        gpu="a100-80gb",
+        nodes=8,
+        dp_shard=64,
+        local_batch=2,
+        seq_len=4096,
+        activation_checkpoint="selective",
+        tokens_per_s_per_gpu=1904,
+        notes="no memory figure published; network as above",
+    ),
+    Published(
+        label="Llama 2 70B, 64 A100, FSDP 64, selective AC",
+        source=TORCHTITAN_2024_A100 + " (Llama 2, selective op AC)",
+        recipe="llama3.1-8b",
+        model_changes=LLAMA2_70B,
+        gpu="a100-80gb",
+        nodes=8,
+        dp_shard=64,
+        local_batch=1,
+        seq_len=4096,
+        activation_checkpoint="selective",
+        tokens_per_s_per_gpu=355,
+        notes="no memory figure published; network as above",
+    ),
+    Published(
+        label="Llama 2 70B, 64 A100, FSDP 64, full AC",
+        source=TORCHTITAN_2024_A100 + " (Llama 2, full AC)",
+        recipe="llama3.1-8b",
+        model_changes=LLAMA2_70B,
+        gpu="a100-80gb",
+        nodes=8,
+        dp_shard=64,
+        local_batch=2,
+        seq_len=4096,
+        activation_checkpoint="full",
+        tokens_per_s_per_gpu=353,
+        notes="no memory figure published; network as above",
+    ),
 ]
+
+
+def torchtitan_recompute_flops(m) -> float:
+    """FLOPs per token of torchtitan's op-level selective checkpointing: every other matmul of a
+    block is recomputed (the 2nd, 4th and 6th of q, k, v, o, gate, up, down: k, o and up)."""
+    hd = m.head_dim
+    return 2 * m.n_layers * m.dim * (m.n_kv_heads * hd + m.n_heads * hd + m.ffn_dim)
+
+
+def predict_row(row: Published, peak_flops: float | None = None) -> tuple[Candidate, float]:
+    """The planner's prediction for a published row's configuration (its hardware changes and,
+    when given, another peak) and its tokens/s per GPU with torchtitan's recompute priced."""
+    cfg = recipes.get(row.recipe)
+    if row.model_changes:
+        cfg.model = dataclasses.replace(cfg.model, **row.model_changes)
+    world = row.dp_shard * row.tp
+    cfg.train.seq_len = row.seq_len
+    cfg.train.global_batch = row.local_batch * row.dp_shard
+    cfg.train.micro_batch = row.local_batch
+    cfg.parallel.activation_checkpoint = row.activation_checkpoint
+    hw = hwlib.get(row.gpu)
+    for key, value in row.hardware_changes.items():
+        setattr(hw, key, value)
+    if peak_flops:
+        hw.peak_flops = peak_flops
+    cand = predict(cfg, MeshShape(1, row.dp_shard, row.tp), hw, world // row.nodes)
+    step = cand.step_s
+    if row.activation_checkpoint == "selective":
+        tokens = cfg.train.global_batch * row.seq_len / world
+        ours = cand.details["recompute_flops_per_rank"]
+        theirs = torchtitan_recompute_flops(cfg.model) * tokens
+        step += (theirs - ours) / hw.matmul_rate(row.local_batch * row.seq_len, row.tp)
+    return cand, cfg.train.global_batch * row.seq_len / step / world
