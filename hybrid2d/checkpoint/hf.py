@@ -395,8 +395,15 @@ def load_dcp(model: nn.Module, path: str, source: str | None = None) -> LoadRepo
     start = time.perf_counter()
     md, entries = check_dcp_source(path, model.cfg, source)
     params = dict(model.named_parameters())  # tied: only model.embed_tokens.weight
+    total = sum(math.prod(entries[n].size) * entries[n].properties.dtype.itemsize for n in params)
     if any(info.transform_descriptors for info in md.storage_data.values()):
-        return _load_dcp_whole(model, path, source, params, start)
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message=".*assuming the intent is to load in a single"
+            )
+            no_dist = not (dist.is_available() and dist.is_initialized())
+            dcp.load({"model": params}, storage_reader=dcp.FileSystemReader(path), no_dist=no_dist)
+        return _fill_blocks(model, source, start, total, lambda *_: 0)  # dcp.load filled them
     keys = model_keys(md)
     storage = {(i.fqn, tuple(i.offset)): info for i, info in md.storage_data.items()}
     files = {}
@@ -432,26 +439,8 @@ def load_dcp(model: nn.Module, path: str, source: str | None = None) -> LoadRepo
             read += n
         return read
 
-    total = sum(math.prod(entries[n].size) * entries[n].properties.dtype.itemsize for n in params)
     with contextlib.ExitStack() as stack:
         return _fill_blocks(model, source, start, total, read_into)
-
-
-def _load_dcp_whole(model, path, source, params, start) -> LoadReport:
-    """dcp.load of the model entry (every rank reads whole chunks); a collective."""
-    state = {"model": params}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
-        dcp.load(
-            state,
-            storage_reader=dcp.FileSystemReader(path),
-            no_dist=not (dist.is_available() and dist.is_initialized()),
-        )
-    _recompute_buffers(model)
-    total = sum(p.numel() * p.element_size() for p in params.values())
-    report = LoadReport(source, tensors=len(params), checkpoint_bytes=total)
-    report.seconds = time.perf_counter() - start
-    return report
 
 
 def load_pretrained(model: nn.Module, spec: str) -> LoadReport:

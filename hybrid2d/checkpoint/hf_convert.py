@@ -201,6 +201,11 @@ def _converting(dst: str, summary: Summary, desc: str, progress: bool):
     summary.peak_memory_growth, summary.memory_method = mem.growth, mem.method
 
 
+def _cast(stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor is written in: --dtype converts floating-point tensors only."""
+    return dtype if dtype is not None and stored.is_floating_point else stored
+
+
 def _copy_aux(src: str, dst: str) -> None:
     for name in AUX_FILES:
         if os.path.isfile(os.path.join(src, name)):
@@ -229,25 +234,22 @@ def convert_hf_to_dcp(
         if cfg.tie_embeddings and "lm_head.weight" not in sources:
             sources["lm_head.weight"] = "model.embed_tokens.weight"
 
-        def target(info) -> torch.dtype:
-            return dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
-
-        sizes = [ckpt.tensors[s].numel * target(ckpt.tensors[s]).itemsize for s in sources.values()]
-        summary = Summary(tensors=len(sources), bytes=sum(sizes), largest_tensor=max(sizes))
-        meta = {
-            name: torch.empty(ckpt.tensors[s].shape, dtype=target(ckpt.tensors[s]), device="meta")
+        specs = {
+            name: TensorSpec(name, _cast(ckpt.tensors[s].dtype, dtype), ckpt.tensors[s].shape)
             for name, s in sources.items()
         }
+        sizes = [s.nbytes for s in specs.values()]
+        summary = Summary(tensors=len(specs), bytes=sum(sizes), largest_tensor=max(sizes))
+        meta = {n: torch.empty(s.shape, dtype=s.dtype, device="meta") for n, s in specs.items()}
         with _converting(dst, summary, "hf -> dcp", progress) as (tmp, advance):
 
             class StreamingPlanner(DefaultSavePlanner):
                 """Reads each tensor from the safetensors file when DCP is about to write it."""
 
                 def resolve_data(self, write_item):
-                    name = sources[write_item.index.fqn.removeprefix("model.")]
-                    t = ckpt.read(name).to(target(ckpt.tensors[name]))
-                    advance(t.numel() * t.element_size())
-                    return t
+                    spec = specs[write_item.index.fqn.removeprefix("model.")]
+                    advance(spec.nbytes)
+                    return ckpt.read(sources[spec.name]).to(spec.dtype)
 
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*assuming the intent is to save")
@@ -309,12 +311,9 @@ def convert_dcp_to_hf(
     names = check_tensor_names({n: tuple(t.size) for n, t in found.items()}, cfg, src)
     if cfg.tie_embeddings:
         names = [n for n in names if n != "lm_head.weight"]  # HF omits the tied head
-
-    def target(name: str) -> torch.dtype:
-        d = found[name].properties.dtype
-        return dtype if dtype is not None and d.is_floating_point else d
-
-    specs = [TensorSpec(n, target(n), tuple(found[n].size)) for n in names]
+    specs = [
+        TensorSpec(n, _cast(found[n].properties.dtype, dtype), tuple(found[n].size)) for n in names
+    ]
     shards = plan_shards(specs, max_shard_bytes)
     total = sum(s.nbytes for s in specs)
     summary = Summary(len(specs), total, largest_tensor=max(s.nbytes for s in specs))
