@@ -34,9 +34,7 @@ def device_peaks(device: torch.device) -> tuple[int, int]:
 def peak_memory_bytes(device: torch.device) -> int:
     """The one peak-memory figure of a run: peak memory allocated by tensors on CUDA, peak
     process RSS elsewhere."""
-    if device.type == "cuda":
-        return device_peaks(device)[0]
-    return peak_rss_bytes()
+    return device_peaks(device)[0] if device.type == "cuda" else peak_rss_bytes()
 
 
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:

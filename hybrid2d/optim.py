@@ -16,11 +16,9 @@ def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
     """AdamW (weight decay on matrices only, not on norms) or plain SGD."""
     if t.optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=t.lr)
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [
-        {"params": decay, "weight_decay": t.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": t.weight_decay},
+        {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0},
     ]
     # fused: the whole update is one _fused_adamw_ call per parameter group, on CPU and CUDA
     # (2x2: 3 ms per rank per step against 5.5-9 ms for foreach over DTensors; torch's default

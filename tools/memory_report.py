@@ -121,7 +121,7 @@ def pick_simulation_config(
 
 
 def print_table(title: str, e: Entry) -> None:
-    cols = {s: e.values(s) for s in ("measured", "estimated", "simulated") if e.values(s)}
+    cols = {s: e.values(s) for s in e.sources()}
     print(title)
     print("  " + f"{'':24s}" + "".join(f"{k:>14s}" for k in cols))
     for cat in CATEGORIES:

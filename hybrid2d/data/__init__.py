@@ -1,7 +1,7 @@
 """Data for training: corpus -> tokenizer -> flat token cache -> packed samples -> dp-sharded
 global batches. `build_data` wires it together for the trainer."""
 
-from hybrid2d.data.build import EvalSet, RunData, build_data, build_run_data
+from hybrid2d.data.build import EvalSet, build_data, build_run_data
 from hybrid2d.data.corpus import corpus_documents, default_corpus_files
 from hybrid2d.data.loader import GlobalBatchLoader
 from hybrid2d.data.packing import PackedDataset
@@ -10,7 +10,6 @@ from hybrid2d.data.tokens import tokenize_corpus
 
 __all__ = [
     "EvalSet",
-    "RunData",
     "build_run_data",
     "GlobalBatchLoader",
     "PackedDataset",

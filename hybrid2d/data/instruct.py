@@ -43,16 +43,12 @@ def is_instruction_file(path: pathlib.Path) -> bool:
     if path.suffix != ".jsonl":
         return False
     with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if line.strip():
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    return False
-                return isinstance(record, dict) and (
-                    "messages" in record or "prompt" in record or "completion" in record
-                )
-    return False
+        first = next((line for line in f if line.strip()), "")
+    try:
+        record = json.loads(first)
+    except ValueError:  # not JSON, or an empty file
+        return False
+    return isinstance(record, dict) and bool({"messages", "prompt", "completion"} & record.keys())
 
 
 @dataclass

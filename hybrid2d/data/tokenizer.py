@@ -29,7 +29,9 @@ def load_or_train_tokenizer(
     if cfg.tokenizer:
         tok = _load_user_tokenizer(cfg.tokenizer)
     else:
-        path = trained_tokenizer_path(cfg, vocab_size, pathlib.Path(cache_dir))
+        # A directory with a tokenizer.json, so it can also be passed back as data.tokenizer.
+        key = cache_key("bpe-v1", corpus_identity(cfg), vocab_size, cfg.max_chars)
+        path = pathlib.Path(cache_dir) / "tokenizers" / f"bpe{vocab_size}-{key}" / "tokenizer.json"
         if must_build(path, build, cache_dir, f"trained tokenizer {path.name}"):
             with atomic_path(path) as tmp:
                 train_bpe(corpus_documents(cfg), vocab_size).save(str(tmp))
@@ -43,15 +45,6 @@ def load_or_train_tokenizer(
             f"is {vocab_size}; set model.vocab_size >= {n}"
         )
     return tok
-
-
-def trained_tokenizer_path(
-    cfg: DataConfig, vocab_size: int, cache_dir: pathlib.Path
-) -> pathlib.Path:
-    """Where the BPE for this corpus and size lives: a directory with a tokenizer.json, so it can
-    also be passed back as data.tokenizer."""
-    key = cache_key("bpe-v1", corpus_identity(cfg), vocab_size, cfg.max_chars)
-    return pathlib.Path(cache_dir) / "tokenizers" / f"bpe{vocab_size}-{key}" / "tokenizer.json"
 
 
 def train_bpe(docs, vocab_size: int) -> Tokenizer:

@@ -15,6 +15,7 @@ training ended normally. With both settings off every call is a no-op.
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import sys
@@ -85,12 +86,11 @@ class MemoryProfiler:
             self.snapshot = False
         if not self.enabled:
             return
-        m = self.mesh
         data = {
             "rank": self.rank,
             "world_size": self.world,
-            "mesh": {"dp_replicate": m.dp_replicate, "dp_shard": m.dp_shard, "tp": m.tp},
-            "device": m.device.type,
+            "mesh": {k: getattr(self.mesh, k) for k in ("dp_replicate", "dp_shard", "tp")},
+            "device": self.mesh.device.type,
             "steps": self.records,
         }
         with open(os.path.join(self.dir, f"rank{self.rank}.json"), "w") as f:
@@ -129,16 +129,12 @@ class MemoryProfiler:
         return paths
 
 
-def load_measured(run_dir: str, step: int | None = None) -> list[dict]:
-    """One StepMemory dict per rank from RUN/memory/rank*.json: `step`, else the last step."""
-    folder = os.path.join(run_dir, "memory")
+def load_measured(run_dir: str) -> list[dict]:
+    """The last step's StepMemory dict of each rank, from RUN/memory/rank*.json."""
     out = []
-    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-        if name.startswith("rank") and name.endswith(".json"):
-            with open(os.path.join(folder, name)) as f:
-                steps = json.load(f)["steps"]
-            chosen = [s for s in steps if s["step"] == step] if step is not None else steps[-1:]
-            out += chosen
+    for path in glob.glob(os.path.join(run_dir, "memory", "rank*.json")):
+        with open(path) as f:
+            out += json.load(f)["steps"][-1:]
     return sorted(out, key=lambda r: r["rank"])
 
 

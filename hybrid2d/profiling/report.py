@@ -251,7 +251,6 @@ def svg_stacked_bars(
     bw = max(6, min(40, 560 // n))
     left, top, plot_h = 60, 30, 220
     vmax = max([sum(v.values()) for _, v in bars] + list((marks or {}).values()) + [1])
-    legend_w = sum(28 + 7 * len(LABELS[c]) for c in STACKED) + (140 if marks else 0)
     width = left + n * (bw + 4) + 20
     height = top + plot_h + 60
     parts = [
@@ -286,13 +285,14 @@ def svg_stacked_bars(
             )
     legend, x = _legend([(LABELS[c], COLORS[c]) for c in STACKED], left, height - 13)
     parts += legend
+    svg_width = max(width, x + (140 if marks else 0))
     if marks:
         parts.append(
             f'<line x1="{x}" y1="{height - 17}" x2="{x + 12}" y2="{height - 17}" '
             f'stroke="{COLORS["estimated"]}" stroke-width="3"/>'
         )
         parts.append(f'<text x="{x + 16}" y="{height - 13}">estimated peak</text>')
-    return _svg(title, max(width, left + legend_w), height, parts)
+    return _svg(title, svg_width, height, parts)
 
 
 def _per_rank_chart(e: Entry) -> str | None:
