@@ -36,8 +36,7 @@ def parse(argv: list[str]):
     parser.add_argument("--list", action="store_true")
     parser.add_argument("--help-config", action="store_true")
     parser.add_argument("-h", "--help", action="store_true")
-    args, rest = parser.parse_known_args(argv)
-    return args, rest
+    return parser.parse_known_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,14 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         from hybrid2d.trainer import run
 
         run(cfg, set_on_cli)
-    except ConfigError as e:
-        if rank == 0:
+    except (ConfigError, FloatingPointError) as e:  # FloatingPointError: trainer.NonFiniteError
+        if rank == 0:  # the message names the setting, or the step that was not finite
             print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    except FloatingPointError as e:  # trainer.NonFiniteError: the message names the step
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        return 3
+        return 2 if isinstance(e, ConfigError) else 3
     return 0
 
 
