@@ -169,32 +169,18 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
 
 
 def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
-    """A config.json for LlamaForCausalLM. RoPE is written the transformers-4 way (top-level
-    rope_theta / rope_scaling), which transformers 4 and 5 both read."""
-    scaling = None
-    if cfg.rope_scaling_factor:
-        scaling = {
-            "rope_type": "llama3",
-            "factor": cfg.rope_scaling_factor,
-            "low_freq_factor": cfg.rope_low_freq_factor,
-            "high_freq_factor": cfg.rope_high_freq_factor,
-            "original_max_position_embeddings": cfg.rope_original_max_position,
-        }
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": cfg.dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
-        "intermediate_size": cfg.ffn_dim,
-        "vocab_size": cfg.vocab_size,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": scaling,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "tie_word_embeddings": cfg.tie_embeddings,
+    """A config.json for LlamaForCausalLM holding every FIELD_TO_HF key. RoPE is written the
+    transformers-4 way (top-level rope_theta / rope_scaling), which transformers 4 and 5 both
+    read."""
+    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "head_dim": cfg.head_dim}
+    scaling = {"rope_type": "llama3"}
+    for name, key in FIELD_TO_HF:
+        if key.startswith("rope_scaling."):
+            scaling[key.removeprefix("rope_scaling.")] = getattr(cfg, name)
+        else:
+            hf[key] = getattr(cfg, name)
+    hf["rope_scaling"] = scaling if cfg.rope_scaling_factor else None
+    return hf | {
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
