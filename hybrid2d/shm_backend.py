@@ -416,7 +416,7 @@ class _Transport:
 
     def fail(self, what: str):
         """Raise `what` for this rank; the group is broken from now on."""
-        self.broken = f"rank {self.pg._global_rank}: {what}"
+        self.broken = self.pg._err(what)
         raise RuntimeError(self.broken)
 
     def grow(self, needed: int) -> bool:
