@@ -5,6 +5,7 @@ from __future__ import annotations
 import resource
 import sys
 
+import psutil
 import torch
 
 from hybrid2d.config import ModelConfig
@@ -18,8 +19,6 @@ def peak_rss_bytes() -> int:
 
 def rss_bytes() -> int:
     """Resident set size of this process now."""
-    import psutil
-
     return psutil.Process().memory_info().rss
 
 

@@ -118,8 +118,7 @@ def prepare_config(cfg: JobConfig, mesh: tuple[int, int, int], target: str) -> J
     # Resolved for the target, not for this CPU.
     cfg.parallel.mixed_precision = resolve_mixed_precision(cfg.parallel.mixed_precision, target)
     cfg.parallel.compile = False  # eager: the memory model and the tracker assume it
-    cfg.checkpoint.init_from = ""
-    cfg.checkpoint.resume = ""
+    cfg.checkpoint.init_from = cfg.checkpoint.resume = ""
     cfg.train.device = "cpu"
     cfg.validate(mesh[0] * mesh[1] * mesh[2])
     return cfg

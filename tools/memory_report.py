@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import sys
@@ -104,8 +105,7 @@ def pick_simulation_config(
     current = cfg.train.micro_batch or cfg.train.global_batch // mesh.dp
     found = largest_micro_batch(cfg, mesh, target, budget, below=current)
     if found is None:
-        smallest = copy.deepcopy(cfg)
-        smallest.train.micro_batch = 1
+        smallest = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch=1))
         raise ConfigError(
             f"mesh {mesh}: even train.micro_batch=1 needs about "
             f"{fmt_bytes(estimate(smallest, mesh, 0, target).peak)} per rank, more than "

@@ -61,14 +61,14 @@ class Subset:
         return self.dataset.gather(self.indices[np.asarray(indices, dtype=np.int64)])
 
 
+@dataclass(eq=False)
 class EvalSet:
     """A fixed held-out set, split the same way on every mesh: the samples padded (with samples
     whose labels are all -100) to a multiple of dp x micro batch, rank r takes the r-th
     contiguous part. The loss is summed over loss tokens and divided by their total."""
 
-    def __init__(self, dataset, source: str):
-        self.dataset = dataset
-        self.source = source
+    dataset: object
+    source: str
 
     def __len__(self) -> int:
         return len(self.dataset)

@@ -80,22 +80,18 @@ class InstructStats:
         )
 
 
+@dataclass(eq=False, repr=False)
 class InstructionDataset:
     """Samples as one flat token array (and a flat mask of the tokens the loss counts) with
     offsets; rows are padded to seq_len + 1 only when gathered, so memory (and the cache on
     disk, memory-mapped) holds the data, not the padding."""
 
-    def __init__(
-        self,
-        tokens: np.ndarray,
-        targets: np.ndarray,
-        offsets: np.ndarray,
-        seq_len: int,
-        pad_id: int,
-        stats: InstructStats,
-    ):
-        self.tokens, self.targets_flat, self.offsets = tokens, targets, offsets
-        self.seq_len, self.pad_id, self.stats = seq_len, pad_id, stats
+    tokens: np.ndarray
+    targets_flat: np.ndarray
+    offsets: np.ndarray
+    seq_len: int
+    pad_id: int
+    stats: InstructStats
 
     def __len__(self) -> int:
         return len(self.offsets) - 1

@@ -109,10 +109,8 @@ class Report:
     notes: list[str] = field(default_factory=list)
 
 
-def _diff(a: int | None, b: int | None) -> str:
-    if a is None or b is None or not b:
-        return ""
-    return f" ({100 * (a - b) / b:+.1f}%)"
+def _diff(a: int, b: int | None) -> str:
+    return f" ({100 * (a - b) / b:+.1f}%)" if b else ""
 
 
 def _blocks(rep: Report) -> list[tuple]:
