@@ -561,7 +561,7 @@ class ShmProcessGroup(dist.ProcessGroup):
         the reason in _fallback) for a group that spans hosts, which is no error even under
         "on"."""
         error = unavailable_reason()
-        read_fd = write_fd = None
+        read_fd = write_fd = shm = None
         me = {"host": _host_id(), "pid": os.getpid(), "start": _start_time(os.getpid())}
         try:
             if error is None:
@@ -581,11 +581,6 @@ class ShmProcessGroup(dist.ProcessGroup):
                 raise _Unavailable(failed[0])
             shm = _Transport(self, read_fd, write_fd, [(e["pid"], e["start"]) for e in everyone])
             read_fd = write_fd = None  # the transport owns them now
-        finally:
-            for fd in (read_fd, write_fd):
-                if fd is not None:
-                    os.close(fd)
-        try:
             shm.map(self._share_segment(_INITIAL_SLOT_BYTES, "set-up"), _INITIAL_SLOT_BYTES)
             error = None
             try:
@@ -598,8 +593,13 @@ class ShmProcessGroup(dist.ProcessGroup):
             _setup_point("pipes_opened")
             self._agree(error)
         except BaseException:
-            shm.close()
+            if shm is not None:
+                shm.close()
             raise
+        finally:
+            for fd in (read_fd, write_fd):
+                if fd is not None:
+                    os.close(fd)
         _setup_point("done")
         return shm
 
