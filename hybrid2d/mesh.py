@@ -236,17 +236,19 @@ def print0(*args, file=sys.stdout) -> None:
         print(*args, file=file, flush=True)
 
 
-def shutdown_distributed() -> None:
+def shutdown_distributed(wait_for_peers: bool = True) -> None:
     """Barrier, destroy the process groups, and free them before the interpreter exits.
 
     Without the barrier a rank that tears gloo down while a peer still talks to it makes the
     peer abort (SIGABRT) instead of exiting with its own status. If a peer is gone the barrier
-    fails and teardown is left to process exit.
+    fails and teardown is left to process exit. wait_for_peers=False skips the barrier: after
+    this rank failed alone (a timed-out collective) the peers will not come, and waiting for
+    them would hold the failure back for another parallel.timeout_s.
     """
     if not dist.is_initialized():
         return
     try:
-        if dist.get_world_size() > 1:
+        if wait_for_peers and dist.get_world_size() > 1:
             dist.barrier()
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - a dead peer: nothing left to synchronise with

@@ -6,13 +6,25 @@ Signals reach ranks at slightly different moments, so the handler only sets a fl
 step the ranks agree (a one-element MAX all-reduce) and all stop after the same step. A rank can
 therefore stop on a peer's signal before its own arrives: after a stop, close() leaves these
 signals ignored, so that a late one cannot kill the rank while it writes its summary and exits.
+
+A rank that hangs (stuck in I/O, or in a collective with a hung peer) never reaches the step
+boundary where the request is acted on, and only the launcher's SIGKILL after its grace period
+would end it, silently. So a signal also arms a watchdog thread: if no step boundary acts on it
+within parallel.timeout_s, the process prints one line saying so and exits 1. The thread learns
+of the signal through signal.set_wakeup_fd, which the interpreter's C-level handler writes to at
+once, even while the main thread waits in a C call and the Python handler cannot run.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import signal
+import socket
+import sys
 import threading
+import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -28,14 +40,30 @@ def preemption_signals() -> tuple[signal.Signals, ...]:
 
 
 class Preemption:
-    def __init__(self, device: torch.device):
+    """The stop request (see the module doc). `step` returns the last finished step (for the
+    watchdog's line); `timeout_s` bounds how long a signal may wait for a step boundary."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        timeout_s: float | None = None,
+        step: Callable[[], int] = lambda: 0,
+    ):
         self.device = device
         self.signal_name: str | None = None
         self.stopping = False  # some rank got a signal: the run stops after this step
         self._previous = {}
+        self._timeout_s = timeout_s
+        self._step = step
+        self._acted = threading.Event()  # a step boundary saw the request: disarms the watchdog
+        self._closed = False
+        self._wakeup = None  # (read socket, write socket, previous wakeup fd)
+        self._watchdog: threading.Thread | None = None
         if threading.current_thread() is threading.main_thread():
             for sig in preemption_signals():
                 self._previous[sig] = signal.signal(sig, self._handle)
+            if timeout_s is not None:
+                self._start_watchdog()
 
     def _handle(self, signum, frame) -> None:
         self.signal_name = signal.Signals(signum).name
@@ -46,6 +74,8 @@ class Preemption:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         self.stopping = bool(flag.item())
+        if self.stopping:
+            self._acted.set()
         return self.stopping
 
     def close(self) -> None:
@@ -54,3 +84,72 @@ class Preemption:
         for sig, handler in self._previous.items():
             signal.signal(sig, signal.SIG_IGN if self.stopping else handler)
         self._previous.clear()
+        self._stop_watchdog()
+
+    # -- the watchdog --------------------------------------------------------------------------
+
+    def _start_watchdog(self) -> None:
+        read, write = socket.socketpair()
+        read.setblocking(False)
+        write.setblocking(False)
+        try:
+            previous = signal.set_wakeup_fd(write.fileno(), warn_on_full_buffer=False)
+        except ValueError:  # not the main thread of the main interpreter
+            read.close()
+            write.close()
+            return
+        if previous != -1:  # someone else (an event loop) listens there: leave it to them
+            signal.set_wakeup_fd(previous)
+            read.close()
+            write.close()
+            return
+        self._wakeup = (read, write, previous)
+        self._watchdog = threading.Thread(
+            target=self._watch, args=(read,), name="hybrid2d-preemption-watchdog", daemon=True
+        )
+        self._watchdog.start()
+
+    def _stop_watchdog(self) -> None:
+        if self._wakeup is None:
+            return
+        read, write, previous = self._wakeup
+        self._wakeup = None
+        self._closed = True
+        signal.set_wakeup_fd(previous)
+        try:
+            write.send(b"\0")  # wake the thread: it sees _closed and returns
+        except OSError:
+            pass
+        self._watchdog.join()
+        read.close()
+        write.close()
+
+    def _watch(self, read: socket.socket) -> None:
+        ours = {int(sig) for sig in self._previous}
+        armed: tuple[float, int, int] | None = None  # (deadline, signal, step then running)
+        while not self._closed:
+            wait = None if armed is None else max(0.0, armed[0] - time.monotonic())
+            ready, _, _ = select.select([read], [], [], wait)
+            if ready:
+                try:
+                    data = read.recv(4096)
+                except BlockingIOError:
+                    data = b""
+                got = [b for b in data if b in ours]
+                if got and armed is None and not self._acted.is_set():
+                    deadline = time.monotonic() + self._timeout_s
+                    armed = (deadline, got[0], self._step() + 1)
+                continue
+            if armed is not None and not self._acted.is_set() and not self._closed:
+                self._give_up(*armed[1:])
+            armed = None  # acted on in time: nothing left to watch
+
+    def _give_up(self, signum: int, step: int) -> None:
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+        print(
+            f"rank {rank}: got {signal.Signals(signum).name} but step {step} did not finish "
+            f"within {self._timeout_s:g} s; exiting",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)

@@ -208,14 +208,20 @@ def run(cfg: JobConfig, set_on_cli: frozenset[str] | set[str] = frozenset()) -> 
     if device_type == "cpu":
         set_cpu_threads()
     init_distributed(device_type, cfg.parallel.timeout_s, cfg.parallel.shm_collectives)
+    failed_alone = False
     try:
         mesh = build_mesh(device_type, dp_rep, dp_shard, tp)
         if plan_line:
             print0(plan_line)
         return _train(cfg, mesh, planned(cfg, mesh, hw, per_node))
+    except (ConfigError, FloatingPointError):
+        raise  # raised on every rank together (mesh.agree, the same non-finite branch)
+    except BaseException:
+        failed_alone = True  # e.g. a collective timed out: the peers may never come
+        raise
     finally:
         release_locks()
-        shutdown_distributed()
+        shutdown_distributed(wait_for_peers=not failed_alone)
 
 
 def planner_profile(cfg: JobConfig, device_type: str) -> Hardware:
@@ -266,7 +272,9 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
         ckpt.load(resume_from)
     writer = MetricsWriter(run_dir if main else None, cfg.metrics.tensorboard)
     memory = MemoryProfiler(cfg, trainer, run_dir)  # --profile.memory / --profile.snapshot
-    preemption = Preemption(mesh.device)  # SIGTERM/SIGUSR1: save at this step and stop
+    # SIGTERM/SIGUSR1: save at this step and stop; a rank that does not get there within
+    # timeout_s of its signal (hung) exits with one line instead.
+    preemption = Preemption(mesh.device, cfg.parallel.timeout_s, lambda: trainer.step)
     bar = _progress(cfg.train.steps, cfg.metrics.progress_bar)
     tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
     fpt = flops_per_token(cfg.model, cfg.train.seq_len)

@@ -10,6 +10,8 @@ import time
 import pytest
 import torch
 
+from hybrid2d import recipes, trainer
+from hybrid2d.config import ConfigError
 from tests.launch import REPO, launcher_env, torchrun
 
 SMALL = [
@@ -261,3 +263,33 @@ def _rank_pid(launcher_pid: int, rank: int) -> int:
         except (OSError, ValueError, IndexError):
             continue
     raise AssertionError(f"no rank {rank} under launcher {launcher_pid}")
+
+
+@pytest.mark.parametrize(
+    "error, waits",
+    [
+        (RuntimeError("rank 0: shared-memory collective 61 timed out"), False),  # alone
+        (ConfigError("raised on every rank by mesh.agree"), True),
+        (FloatingPointError("step 3: loss nan"), True),  # every rank takes the same branch
+    ],
+)
+def test_a_rank_that_failed_alone_does_not_wait_for_its_peers_at_shutdown(
+    monkeypatch, error, waits
+):
+    """The shutdown barrier after a timed-out collective waited another parallel.timeout_s for
+    the hung peer (the job ended 2 x timeout_s after the hang); errors every rank raises
+    together keep it (it keeps a peer's gloo teardown from aborting this rank)."""
+    calls = []
+    for name in ("init_distributed", "build_mesh", "planned", "set_cpu_threads"):
+        monkeypatch.setattr(trainer, name, lambda *a, **k: {})
+
+    def fail(*args):
+        raise error
+
+    monkeypatch.setattr(trainer, "_train", fail)
+    monkeypatch.setattr(
+        trainer, "shutdown_distributed", lambda wait_for_peers=True: calls.append(wait_for_peers)
+    )
+    with pytest.raises(type(error)):
+        trainer.run(recipes.get("llama-debug"))
+    assert calls == [waits]

@@ -1,17 +1,21 @@
 """A peer that hangs (alive, in no collective) instead of dying, under torchrun with
 parallel.timeout_s=10: the other rank's next collective times out with an error naming the
-hung rank, and the launcher ends the job.
+collective and the hung rank, it exits without waiting for that rank again, torchrun sends the
+hung rank SIGTERM, and the hung rank's preemption watchdog ends it when no step boundary acts on
+the signal within timeout_s. Every rank exits by itself, non-zero, within the issue's bound of
+timeout_s + 30 s after the hang.
 
-Measured 2026-12-03 on 2 busy cores: the job ends 51-53 s after the hang, more than the
-timeout_s + 30 s the issue asks for: rank 0 fails about 2 x timeout_s after the hang, then
-torchrun sends the hung rank SIGTERM, which its Preemption handler turns into a stop request
-the hung rank never reaches, so torchrun's SIGKILL comes after its 30 s grace. The bound below
-is only a hang guard.
+Measured 2026-12-03 on 2 shared cores: rank 0's timeout 10.7-10.8 s after the hang, torchrun's
+SIGTERM to rank 1 2.5-3.5 s later, the job ended 24-26 s after the hang (was 51-53 s: rank 0
+waited another timeout_s in the shutdown barrier, and rank 1 lasted until torchrun's SIGKILL
+after its 30 s grace). The bound below has 14 s of slack for a loaded machine.
 """
 
 import os
+import re
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
@@ -22,6 +26,14 @@ from tests.test_faults import SMALL
 pytestmark = pytest.mark.slow
 
 TIMEOUT_S = 10
+
+
+def exit_codes(report: str) -> dict[int, int]:
+    """{rank: exit code} from torchrun's failure report."""
+    found = re.findall(
+        r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)", report
+    )
+    return {int(rank): int(code) for rank, code in found}
 
 
 @pytest.fixture(scope="module")
@@ -54,28 +66,58 @@ def hung_job(tmp_path_factory):
         text=True,
         start_new_session=True,
     )
+    out: list[str] = []
+    err: list[str] = []
+    hung = threading.Event()  # the event: the peer is hung from now on
+
+    def read_stdout():
+        for line in job.stdout:
+            out.append(line)
+            if "hangs before step 3" in line:
+                hung.set()
+
+    readers = [
+        threading.Thread(target=read_stdout, daemon=True),
+        threading.Thread(target=lambda: err.extend(job.stderr), daemon=True),
+    ]
+    for r in readers:
+        r.start()
     try:
-        line = ""
-        while "hangs before step 3" not in line:  # the event: the peer is hung from now on
-            line = job.stdout.readline()
-            assert line or job.poll() is None, job.stderr.read()[-3000:]
+        guard = time.monotonic() + 600
+        while not hung.wait(1):
+            assert job.poll() is None, "".join(out + err)[-3000:]
+            assert time.monotonic() < guard, "rank 1 never reached step 3"
         hung_at = time.monotonic()
-        _, err = job.communicate(timeout=3 * TIMEOUT_S + 90)  # hang guard
-        print(f"job ended {time.monotonic() - hung_at:.1f} s after the hang")
+        job.wait(timeout=3 * TIMEOUT_S + 90)  # hang guard
+        after_hang = time.monotonic() - hung_at
+        print(f"job ended {after_hang:.1f} s after the hang")
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
-    return job.returncode, [ln for ln in err.splitlines() if "timed out" in ln]
+    for r in readers:
+        r.join()
+    return job.returncode, after_hang, "".join(err)
 
 
-def test_a_hung_peer_ends_the_job_with_a_timeout_naming_it(hung_job):
-    returncode, timeouts = hung_job
+def test_every_rank_ends_with_an_error_within_timeout_plus_30_s(hung_job):
+    returncode, after_hang, err = hung_job
     assert returncode != 0
-    assert timeouts, "no rank reported a timed-out collective"
+    codes = exit_codes(err)
+    # Positive: each rank exited by itself (a signal's death, e.g. torchrun's SIGKILL, is < 0).
+    assert set(codes) == {0, 1} and all(c > 0 for c in codes.values()), (codes, err[-3000:])
+    assert after_hang <= TIMEOUT_S + 30, f"ended {after_hang:.1f} s after the hang"
+
+
+def test_the_timeout_error_names_the_collective_and_the_hung_rank(hung_job):
+    _, _, err = hung_job
+    timeouts = [ln for ln in err.splitlines() if "timed out" in ln]
+    assert timeouts, f"no rank reported a timed-out collective:\n{err[-3000:]}"
     assert f"timed out after {TIMEOUT_S} s" in timeouts[0] and "ranks [1]" in timeouts[0]
+    assert re.search(r"\((all_gather|reduce_scatter|all_reduce) \w+\[\d+\]\)", timeouts[0])
 
 
-def test_the_timeout_error_names_the_collective(hung_job):
-    _, timeouts = hung_job
-    assert any(op in timeouts[0] for op in ("all_gather", "reduce_scatter", "all_reduce"))
+def test_the_hung_rank_says_why_it_exits(hung_job):
+    _, _, err = hung_job
+    line = f"rank 1: got SIGTERM but step 3 did not finish within {TIMEOUT_S} s; exiting"
+    assert line in err.splitlines(), err[-3000:]
