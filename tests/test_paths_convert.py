@@ -2,7 +2,7 @@
 shards that transformers loads back (tools/convert_hf_to_dcp.py, tools/convert_dcp_to_hf.py).
 
 Memory is measured from outside the converter (its own printed figure is not trusted): the tool's
-`main()` runs in a fresh process after every import, and the growth is that process's peak
+`main()` runs in a fresh process after every import and a warm-up run on a tiny model, and the growth is that process's peak
 resident set at the end (VmHWM) over its resident set just before the call. The import-time peak
 can only make that larger, so the bound is conservative. glibc's mmap threshold is fixed
 (MALLOC_MMAP_THRESHOLD_), so a freed tensor goes back to the OS and the resident set follows the
@@ -88,23 +88,32 @@ def tensor_bytes(model) -> list[int]:
     return [t.numel() * t.element_size() for t in model.state_dict().values()]
 
 
-def measure(tool: str, keep: str, warm: tuple[str, str], src: str, dst: str) -> int:
-    """Peak resident-set growth (bytes) of one converter run in a fresh process, after a
-    warm-up run of the same tool from `warm[0]` to `warm[1]`."""
+def measure(tool: str, warm: str, src: str, out: str) -> dict[str, int]:
+    """Peak resident-set growth (bytes) of one converter run from `src`, "stream" and
+    "keep-all" each in a fresh process (both at once: each process measures only itself),
+    after a warm-up run of the same tool from `warm`."""
     path = str(REPO / "tools" / f"{tool}.py")
-    proc = subprocess.run(
-        [sys.executable, "-c", MEASURE, path, keep, *warm, src, dst],
-        cwd=REPO,
-        env=dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(128 * 1024)),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("MEASURED ")), None)
-    assert proc.returncode == 0 and line, proc.stdout[-2000:] + proc.stderr[-4000:]
-    got = json.loads(line.removeprefix("MEASURED "))
-    assert got["rc"] == 0, proc.stderr[-4000:]
-    return (got["hwm_kib"] - got["rss_kib"]) * 1024
+    procs = {
+        keep: subprocess.Popen(
+            [sys.executable, "-c", MEASURE, path, keep, warm, f"{out}-{keep}-warm"]
+            + [src, f"{out}-{keep}"],
+            cwd=REPO,
+            env=dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(128 * 1024)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for keep in ("stream", "keep-all")
+    }
+    growth = {}
+    for keep, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=600)
+        line = next((ln for ln in stdout.splitlines() if ln.startswith("MEASURED ")), None)
+        assert proc.returncode == 0 and line, stdout[-2000:] + stderr[-4000:]
+        got = json.loads(line.removeprefix("MEASURED "))
+        assert got["rc"] == 0, stderr[-4000:]
+        growth[keep] = (got["hwm_kib"] - got["rss_kib"]) * 1024
+    return growth
 
 
 # ---- one tensor at a time --------------------------------------------------------------------
@@ -140,10 +149,8 @@ def models(tmp_path_factory):
 def test_converters_hold_one_tensor_at_a_time(models, tmp_path, tool, src):
     root, model_bytes, largest = models
     assert model_bytes > 60 * largest
-    warm = (str(root / f"tiny-{src}"), str(tmp_path / "warm"))
-    growth = measure(tool, "stream", warm, str(root / f"big-{src}"), str(tmp_path / "out"))
-    warm = (warm[0], str(tmp_path / "warm-2"))
-    kept = measure(tool, "keep-all", warm, str(root / f"big-{src}"), str(tmp_path / "out-2"))
+    got = measure(tool, str(root / f"tiny-{src}"), str(root / f"big-{src}"), str(tmp_path / "out"))
+    growth, kept = got["stream"], got["keep-all"]
     print(
         f"{tool}: peak growth +{growth / MIB:.1f} MiB streaming, +{kept / MIB:.1f} MiB "
         f"keeping every tensor; model {model_bytes / MIB:.1f} MiB, largest tensor "
