@@ -2,14 +2,14 @@
 shards that transformers loads back (tools/convert_hf_to_dcp.py, tools/convert_dcp_to_hf.py).
 
 Memory is measured from outside the converter (its own printed figure is not trusted): the tool's
-`main()` runs in a fresh process after every import and a warm-up run on a tiny model, and the growth is that process's peak
-resident set at the end (VmHWM) over its resident set just before the call. The import-time peak
-can only make that larger, so the bound is conservative. glibc's mmap threshold is fixed
-(MALLOC_MMAP_THRESHOLD_), so a freed tensor goes back to the OS and the resident set follows the
-live bytes; with the default dynamic threshold freed heap chunks linger and the growth varied
-from +10 to +23 MiB between identical runs here, now +8.4 to +8.8 MiB. The same measurement with
-every tensor the converter touches kept alive (what "collect all tensors first" would do) must
-see the whole model: that calibrates the measurement in every run.
+`main()` runs in a fresh process after every import and a warm-up run on a tiny model, and the
+growth is that process's peak resident set at the end (VmHWM) over its resident set just before
+the call. The import-time peak can only make that larger, so the bound is conservative. glibc's
+mmap threshold is fixed (MALLOC_MMAP_THRESHOLD_), so a freed tensor goes back to the OS and the
+resident set follows the live bytes; with the default dynamic threshold freed heap chunks linger
+and the growth varied from +10 to +23 MiB between identical runs here, now +8.4 to +8.8 MiB. The
+same measurement with every tensor the converter touches kept alive (what "collect all tensors
+first" would do) must see the whole model: that calibrates the measurement in every run.
 """
 
 import importlib.util
