@@ -101,6 +101,26 @@ def test_figures_are_the_pieces(profile, mesh, ac, micro, gpus):
     )
 
 
+def test_tp_sync_is_paid_once_per_tp_collective():
+    """A calibrated per-collective wait adds count x wait to tp comm (x ranks / cores when the
+    ranks outnumber the cores), the count being the step's tp collectives from analytic_step
+    plus full checkpointing's three per block."""
+    job = with_settings(debug_job(global_batch=8), "full", 1)
+    m, t = job.model, job.train
+    for world, cores in ((2, 2), (4, 2)):
+        hw = hardware.get("cpu")
+        hw.host_cores = cores
+        mesh = MeshShape(1, 1, world)
+        base = predict(job, mesh, hw, world)
+        hw.tp_sync_s = 1e-3
+        synced = predict(job, mesh, hw, world)
+        step = analytic_step(m, 1, world, t.global_batch, t.seq_len, t.global_batch, elt=4)
+        count = sum(n for k, (n, _) in step.items() if k.startswith("tp_"))
+        count += 3 * m.n_layers * t.global_batch
+        scale = max(1, world / cores)
+        assert synced.tp_comm_s - base.tp_comm_s == pytest.approx(count * 1e-3 * scale)
+
+
 def test_unit_bytes_add_up_to_the_analytic_step():
     m = recipes.get("llama3.1-8b").model
     block, root = unit_bytes(m, 8, 2, 2)
@@ -261,6 +281,7 @@ def test_calibrated_tables_interpolate_in_log_tokens():
         (["--set", "train.bogus=1"], "unknown setting --train.bogus"),
         (["--headroom", "1.5"], "--headroom 1.5 must be in [0, 1)"),
         (["--validate", "--validate-ranks", "1"], "--validate-ranks '1' is not a list"),
+        (["--validate", "--validate-only", "1x8 none mb1"], "'1x8 none mb1' is not a candidate"),
         (["--json", "/nonexistent/dir/plan.json"], "--json /nonexistent/dir/plan.json: folder"),
         (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
     ],

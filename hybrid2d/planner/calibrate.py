@@ -8,6 +8,8 @@ What the cost model needs, each measured the way a training step meets it:
   output's re-layout, SiLU x up, forward + backward), in the bytes `model.block_elementwise_bytes`
   counts, so that the model's count divided by this figure is the measured time;
 - the optimizer: fused AdamW plus clipping, seconds per parameter;
+- the wait a tp collective adds when it follows compute, as in a step (each rank must be
+  scheduled and done computing), over the collective back to back plus the compute alone;
 - collectives (all-gather, reduce-scatter, all-reduce) at the sizes a step uses, inside a node
   (CPU: the process group the trainer creates, or the shared-memory transport; CUDA: NCCL between
   two GPUs when there are two) and, on CPU, across nodes (gloo over TCP): latency and bandwidth
@@ -275,6 +277,43 @@ def measure_link(ops, sizes: list[int], n: int, device, rounds: int = 1) -> dict
     return out
 
 
+def tp_sync_seconds(m: ModelConfig, tokens: int, world: int, dtype, device, reps: int = 15):
+    """Extra seconds a tp-sized all-gather costs when it follows compute, as in a step, over the
+    same all-gather back to back (where both ranks are already in step) plus the compute alone:
+    each rank must be scheduled and done computing before the collective completes. Medians of
+    `reps` calls (the waits are the point, so not the fastest call)."""
+    import torch.distributed._functional_collectives as funcol
+
+    group = dist.group.WORLD
+    x = torch.randn(tokens // world, m.dim, dtype=dtype, device=device)  # a sequence shard
+    h = torch.randn(tokens, m.dim, dtype=dtype, device=device)
+    w = torch.randn(m.dim, max(1, m.ffn_dim // world), dtype=dtype, device=device)
+
+    def compute():
+        h @ w  # one column-parallel GEMM: what a rank does between two tp collectives
+
+    def gather():
+        funcol.all_gather_single(x, 0, group).wait()
+
+    def both():
+        compute()
+        gather()
+
+    def median_seconds(fn):
+        fn()
+        dist.barrier()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    alone, gathered, interleaved = (median_seconds(f) for f in (compute, gather, both))
+    return max(0.0, interleaved - alone - gathered)
+
+
 def fit_latency_bandwidth(xs: list[float], ys: list[float]) -> list[float]:
     """Least squares of y = a + x / bw over the points; a >= 0 and bw > 0."""
     k = len(xs)
@@ -393,6 +432,10 @@ def _measure(cfg: JobConfig, device: torch.device, world: int, threads: int) -> 
         ops, how = _intra_ops(group, largest, device)
         res["intra"] = measure_link(ops, sizes, world, device, rounds)
         res["intra_how"] = how
+        tp_tokens = S * max(1, world)  # one sample per micro batch, split over the ranks
+        res["tp_sync_s"] = statistics.median(
+            tp_sync_seconds(m, tp_tokens, world, dtype, device) for _ in range(rounds)
+        )
         if cpu:
             gloo = dist.new_group(backend="gloo")
             res["inter"] = measure_link(_pg_ops(gloo), sizes, world, device, rounds)
@@ -527,5 +570,11 @@ def profile_from(raw: dict, cfg: JobConfig, device: str, base: Hardware | None) 
         hw.sources["intra"] = f"measured with {raw['procs']} processes: {raw['intra_how']}"
     if "inter" in raw:
         hw.inter = Link(bandwidth=max(v[1] for v in raw["inter"].values()), measured=raw["inter"])
+    if "tp_sync_s" in raw:
+        hw.tp_sync_s = raw["tp_sync_s"]
+        hw.sources["tp_sync_s"] = (
+            f"measured with {raw['procs']} processes: an all-gather of a sequence shard after a "
+            "GEMM, over the two apart (median of interleaved calls)"
+        )
     hw.check("calibrated profile")
     return hw

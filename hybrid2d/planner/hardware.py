@@ -80,6 +80,9 @@ class Hardware:
     attention_table: list[list[float]] = field(default_factory=list)
     elementwise_table: list[list[float]] = field(default_factory=list)
     optimizer_s_per_param: float = 0.0  # calibrated AdamW step + clipping; 0: from bandwidth
+    # Per tp collective: the wait for the other ranks when it follows compute (calibrated; the
+    # link figures are measured back to back, with the ranks already in step). 0: none.
+    tp_sync_s: float = 0.0
     # CPU: the host's cores, which the ranks of a node share (each rank gets cores / ranks
     # threads; the calibrated rates are per core). None for GPUs (a device per rank).
     host_cores: int | None = None

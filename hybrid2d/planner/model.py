@@ -12,8 +12,9 @@ Priced per rank and per optimizer step (b = micro batch, S = sequence, N = b*S t
     compute   = matmul FLOPs (model + recompute) / achieved matmul rate at (N, tp)
               + attention FLOPs (model + recompute) / achieved attention rate
               + elementwise bytes / achieved memory bandwidth
-    tp comm   = sum over tp collectives of latency + ring factor x bytes / intra-node bandwidth,
-                all on the critical path (no async TP); full checkpointing repeats each
+    tp comm   = sum over tp collectives of latency + ring factor x bytes / intra-node bandwidth
+                + the calibrated wait for the other ranks (`tp_sync_s`, CPU), all on the
+                critical path (no async TP); full checkpointing repeats each
                 block's two sequence gathers and its attention reduce-scatter
     FSDP comm = the all-gathers (forward, backward re-gather) and reduce-scatters of
                 `analytic_step`, plus HSDP's all-reduce of the gradient shards across replicas,
@@ -329,7 +330,7 @@ def predict_valid(
             # attention's reduce-scatter (it stops before the MLP's, the block's last op).
             extra = (2 if kind == "all_gather" else 1) * m.n_layers * n_micro
             count, payload = count + extra, payload + extra * payload / count
-        tp_s += tp_link.seconds(kind, T, payload, count)
+        tp_s += tp_link.seconds(kind, T, payload, count) + count * hw.tp_sync_s
         tp_bytes += payload
     tp_s *= comm_scale
 
