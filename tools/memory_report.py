@@ -53,9 +53,7 @@ def parse(argv: list[str]):
     ap.add_argument("--recipe", default="llama-debug")
     ap.add_argument("--mesh", action="append", default=[], help="DPxTP or RxSxT; repeatable")
     ap.add_argument(
-        "--device-memory",
-        default=None,
-        help="say which meshes fit: 80GiB (80 x 2^30 bytes) or 80GB (80e9)",
+        "--device-memory", help="say which meshes fit: 80GiB (80 x 2^30 bytes) or 80GB (80e9)"
     )
     ap.add_argument(
         "--headroom",
@@ -63,15 +61,15 @@ def parse(argv: list[str]):
         default=0.10,
         help="fraction of device memory kept for the allocator and runtime (0.10)",
     )
-    ap.add_argument("--target", choices=("cuda", "cpu"), default=None)
+    ap.add_argument("--target", choices=("cuda", "cpu"))
     ap.add_argument("--simulate", action="store_true", help="also simulate rank 0 of each mesh")
     ap.add_argument(
         "--no-skip-compute",
         action="store_true",
         help="simulate with real matmuls (slow; same memory)",
     )
-    ap.add_argument("--run-dir", default=None, help="a run made with --profile.memory")
-    ap.add_argument("--out", default=None, help="report folder, or a path ending in .md/.html")
+    ap.add_argument("--run-dir", help="a run made with --profile.memory")
+    ap.add_argument("--out", help="report folder, or a path ending in .md/.html")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON too")
     return ap.parse_known_args(argv)
 
