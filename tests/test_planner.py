@@ -121,6 +121,27 @@ def test_tp_sync_is_paid_once_per_tp_collective():
         assert synced.tp_comm_s - base.tp_comm_s == pytest.approx(count * 1e-3 * scale)
 
 
+def test_checkpoint_overhead_is_paid_per_block_and_micro_batch():
+    """A calibrated checkpointing overhead adds overhead x layers x micro batches to compute and
+    to recompute (x ranks / cores when ranks outnumber cores), only for its own mode."""
+    for world, cores in ((2, 2), (4, 2)):
+        for ac, micro in (("selective", 1), ("full", 2), ("none", 1)):
+            job = with_settings(debug_job(global_batch=8), ac, micro)
+            hw = hardware.get("cpu")
+            hw.host_cores = cores
+            mesh = MeshShape(1, world, 1)
+            base = predict(job, mesh, hw, world)
+            hw.checkpoint_overhead_s = {"selective": 2e-3, "full": 5e-3}
+            paid = predict(job, mesh, hw, world)
+            n_micro = job.train.global_batch // world // micro
+            each = hw.checkpoint_overhead_s.get(ac, 0.0) * max(1, world / cores)
+            extra = each * job.model.n_layers * n_micro
+            assert paid.compute_s - base.compute_s == pytest.approx(extra, abs=1e-12)
+            assert paid.details["recompute_s"] - base.details["recompute_s"] == pytest.approx(
+                extra, abs=1e-12
+            )
+
+
 def test_unit_bytes_add_up_to_the_analytic_step():
     m = recipes.get("llama3.1-8b").model
     block, root = unit_bytes(m, 8, 2, 2)

@@ -321,6 +321,9 @@ def describe_profile(hw: hwlib.Hardware, raw: dict | None = None) -> str:
                 f"{k} {v[0] * 1e6:.0f} us + {v[1] / 1e9:.2f} GB/s" for k, v in link.measured.items()
             )
             lines.append(f"  {name} ({hw.sources.get(name, '')}): {parts}")
+    if hw.checkpoint_overhead_s:
+        parts = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in hw.checkpoint_overhead_s.items())
+        lines.append(f"  checkpointing beyond its recompute, per block and micro batch: {parts}")
     if hw.tp_sync_s:
         lines.append(f"  tp collective after compute: +{hw.tp_sync_s * 1e6:.0f} us wait each")
     return "\n".join(lines)

@@ -8,6 +8,8 @@ What the cost model needs, each measured the way a training step meets it:
   output's re-layout, SiLU x up, forward + backward), in the bytes `model.block_elementwise_bytes`
   counts, so that the model's count divided by this figure is the measured time;
 - the optimizer: fused AdamW plus clipping, seconds per parameter;
+- one whole block's forward + backward under each checkpointing mode: what selective and full
+  cost beyond the recompute the model prices (per-op overhead of the checkpoint's dispatch modes);
 - the wait a tp collective adds when it follows compute, as in a step (each rank must be
   scheduled and done computing), over the collective back to back plus the compute alone;
 - collectives (all-gather, reduce-scatter, all-reduce) at the sizes a step uses, inside a node
@@ -152,6 +154,55 @@ def attention_rate(m: ModelConfig, tokens: int, seq: int, tp: int, dtype, device
 
     flops = b * seq * 6 * h * hd * seq  # flops_per_token's attention term for these tokens
     return flops / timed(run, device)
+
+
+def block_seconds(m: ModelConfig, tokens: int, seq: int, mode: str, dtype, device) -> float:
+    """Forward + backward of one whole block (tp 1) under checkpointing `mode`, the trainer's way
+    (`torch.utils.checkpoint`, non-reentrant, selective with the trainer's policy)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from hybrid2d.models.llama import DecoderLayer, Llama
+    from hybrid2d.parallel.activation_checkpoint import selective_context
+
+    torch.manual_seed(0)
+    layer = DecoderLayer(m).to(device=device, dtype=dtype)
+    cos, sin = Llama(dataclasses.replace(m, n_layers=0)).to(device).rope(seq, dtype)
+    x = torch.randn(max(1, tokens // seq), seq, m.dim, dtype=dtype, device=device)
+    x.requires_grad_(True)
+    grad = torch.randn_like(x)
+
+    def run():
+        if mode == "none":
+            y = layer(x, cos, sin)
+        else:
+            ctx = {"context_fn": selective_context} if mode == "selective" else {}
+            y = checkpoint(layer, x, cos, sin, use_reentrant=False, **ctx)
+        y.backward(grad)
+
+    return timed(run, device)
+
+
+def checkpoint_overhead(raw: dict, m: ModelConfig, hw: Hardware) -> dict[str, float]:
+    """Seconds per block and micro batch that a checkpointing mode costs beyond the recompute the
+    model prices (`model.flops` and the block's elementwise bytes at this profile's own rates):
+    on CPU mostly the per-op Python of torch.utils.checkpoint's dispatch modes. From the
+    calibration's block timings, at one thread (`raw['threads']`, scaled to one core)."""
+    if "block_s" not in raw:
+        return {}
+    tokens, threads, S = raw["block_tokens"], raw["threads"], raw["seq_len"]
+    c = 4 if hw.target == "cpu" else 2
+    mm = hw.matmul_rate(tokens, 1) * threads
+    attn = hw.attention_rate(tokens, 1) * threads
+    bw = hw.elementwise_bandwidth(tokens) * threads
+    one = dataclasses.replace(m, n_layers=1)
+    elementwise = sum(cost.block_elementwise_bytes(m, tokens, 1, c).values()) / bw
+    out = {}
+    for mode in ("selective", "full"):
+        f = cost.flops(one, S, mode, 1)
+        priced = (f["recompute_matmul"] / mm + f["recompute_attention"] / attn) * tokens
+        extra = raw["block_s"][mode] - raw["block_s"]["none"] - priced - elementwise
+        out[mode] = max(0.0, extra) * threads
+    return out
 
 
 def _rms(x, w, eps=1e-5):
@@ -407,18 +458,24 @@ def _measure(cfg: JobConfig, device: torch.device, world: int, threads: int) -> 
             )
     for n in sorted({max(n, S) for n in tokens[:3]}):
         probes[("elementwise", n, 1)] = lambda n=n: elementwise_bandwidth(m, n, S, dtype, device)
+    for mode in ("none", "selective", "full"):  # one micro batch of one sample
+        probes[("block", S, mode)] = lambda mode=mode: (
+            1.0 / block_seconds(m, S, S, mode, dtype, device)
+        )
     n_params = max(4096, min(4_000_000, m.num_params() // max(1, world)))
     probes[("optimizer", 0, 0)] = lambda: 1.0 / optimizer_seconds_per_param(n_params, device)
     found: dict[tuple, list[float]] = {}
     for _ in range(rounds):
         for key, probe in probes.items():
             together()
-            found.setdefault(key, []).append(probe() / per)
+            found.setdefault(key, []).append(probe() / (1 if key[0] == "block" else per))
     rate = {key: statistics.median(values) for key, values in found.items()}
     res["matmul_table"] = [[n, tp, r] for (k, n, tp), r in rate.items() if k == "matmul"]
     res["attention_table"] = [[n, tp, r] for (k, n, tp), r in rate.items() if k == "attention"]
     res["elementwise_table"] = [[n, r] for (k, n, _), r in rate.items() if k == "elementwise"]
     res["optimizer_s_per_param"] = 1.0 / rate[("optimizer", 0, 0)]
+    res["block_s"] = {mode: 1.0 / r for (k, _, mode), r in rate.items() if k == "block"}
+    res["block_tokens"], res["seq_len"] = S, S
     res["rounds"] = rounds
     res["compute_s"] = time.perf_counter() - started
     together()
@@ -570,6 +627,12 @@ def profile_from(raw: dict, cfg: JobConfig, device: str, base: Hardware | None) 
         hw.sources["intra"] = f"measured with {raw['procs']} processes: {raw['intra_how']}"
     if "inter" in raw:
         hw.inter = Link(bandwidth=max(v[1] for v in raw["inter"].values()), measured=raw["inter"])
+    hw.checkpoint_overhead_s = checkpoint_overhead(raw, cfg.model, hw)
+    if hw.checkpoint_overhead_s:
+        hw.sources["checkpoint_overhead_s"] = (
+            "measured: one block's forward + backward under each checkpointing mode, less none "
+            "and less the recompute the model prices at this profile's rates"
+        )
     if "tp_sync_s" in raw:
         hw.tp_sync_s = raw["tp_sync_s"]
         hw.sources["tp_sync_s"] = (

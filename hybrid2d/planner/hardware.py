@@ -83,6 +83,9 @@ class Hardware:
     # Per tp collective: the wait for the other ranks when it follows compute (calibrated; the
     # link figures are measured back to back, with the ranks already in step). 0: none.
     tp_sync_s: float = 0.0
+    # Per block and micro batch, per checkpointing mode: what it costs beyond the recompute the
+    # model prices (calibrated; on CPU the per-op overhead of checkpointing's dispatch modes).
+    checkpoint_overhead_s: dict[str, float] = field(default_factory=dict)
     # CPU: the host's cores, which the ranks of a node share (each rank gets cores / ranks
     # threads; the calibrated rates are per core). None for GPUs (a device per rank).
     host_cores: int | None = None

@@ -12,6 +12,8 @@ Priced per rank and per optimizer step (b = micro batch, S = sequence, N = b*S t
     compute   = matmul FLOPs (model + recompute) / achieved matmul rate at (N, tp)
               + attention FLOPs (model + recompute) / achieved attention rate
               + elementwise bytes / achieved memory bandwidth
+              + checkpointing's calibrated overhead per block and micro batch (CPU: the
+                per-op Python of its dispatch modes, which FLOPs and bytes do not see)
     tp comm   = sum over tp collectives of latency + ring factor x bytes / intra-node bandwidth
                 + the calibrated wait for the other ranks (`tp_sync_s`, CPU), all on the
                 critical path (no async TP); full checkpointing repeats each
@@ -363,7 +365,10 @@ def predict_valid(
     matmul_s = mm_flops / mm_rate
     attention_s = attn_flops / attn_rate
     elementwise_s = elem_bytes / bandwidth
-    compute_s = matmul_s + attention_s + elementwise_s
+    # Calibrated: what checkpointing costs beyond its recompute (one core's seconds per block).
+    overhead = hw.checkpoint_overhead_s.get(p.activation_checkpoint, 0.0)
+    checkpoint_s = overhead * m.n_layers * n_micro / min(1.0, share)
+    compute_s = matmul_s + attention_s + elementwise_s + checkpoint_s
     forward_s = (
         f["matmul"] / 3 * rank_tokens / mm_rate
         + f["attention"] / 3 * rank_tokens / attn_rate
@@ -373,6 +378,7 @@ def predict_valid(
         f["recompute_matmul"] * rank_tokens / mm_rate
         + f["recompute_attention"] * rank_tokens / attn_rate
         + m.n_layers * block_fwd * recompute_passes * n_micro / bandwidth
+        + checkpoint_s
     )
 
     # ---- what compute hides -------------------------------------------------------------------
@@ -432,6 +438,7 @@ def predict_valid(
         "attention_s": attention_s,
         "elementwise_s": elementwise_s,
         "recompute_s": recompute_s,
+        "checkpoint_overhead_s": checkpoint_s,
         "fsdp_all_gather_s": ag_s,
         "fsdp_reduce_scatter_s": rs_s,
         "hsdp_all_reduce_s": ar_s,
