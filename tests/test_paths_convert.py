@@ -141,6 +141,7 @@ def models(tmp_path_factory):
     return root, sum(sizes["big"]), max(sizes["big"])
 
 
+@pytest.mark.slow  # a 257 MiB model converted in fresh processes: about 25 s idle, 70 s loaded
 @pytest.mark.parametrize(
     "tool,src",
     [("convert_hf_to_dcp", "hf"), ("convert_dcp_to_hf", "dcp")],
