@@ -16,6 +16,11 @@ hash the files, rank 0 writes checksums.json, renames the directory to `step-N`,
 the writing, hashing and publishing run in a background thread on a separate gloo process group
 while training goes on; the next save (or the end of the run) waits for it.
 
+A save that fails on any rank (a full disk, a peer gone) fails on every rank: after writing,
+the ranks exchange their errors before anything is published, the step's directory is removed,
+and the next save (or the end of the run) raises one SaveError naming the rank, the step, the
+path and the cause on every rank, so no rank waits for one that gave up and nothing is lost.
+
 Resuming checks everything it can on every rank before the first collective (path, metadata,
 key names and shapes, file sizes, checksums), then all ranks agree on the outcome, so a bad
 checkpoint is one ConfigError on every rank rather than a rank waiting for a dead peer.
@@ -64,6 +69,10 @@ from hybrid2d.mesh import agree, print0
 # Test hook: "STEP:RANK" makes that rank SIGKILL itself in the save of STEP, after the data was
 # written and before the checkpoint is published (the crash-safety test). Never set it otherwise.
 KILL_IN_SAVE_ENV = "HYBRID2D_TEST_KILL_IN_SAVE"
+
+
+class SaveError(ConfigError):
+    """A checkpoint save failed on some rank; raised on every rank with the same one line."""
 
 
 def _checked(fn, *args):
@@ -259,30 +268,46 @@ class Checkpointer:
         state = self.state_dict()
         self._last_saved_step = step
         if self._executor is None:
-            dcp.save(state, checkpoint_id=str(tmp))
-            self._publish(step, start, None)
+            self._publish(step, start, lambda: dcp.save(state, checkpoint_id=str(tmp)))
         else:
             written = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group)
             blocking = time.perf_counter() - start
-            self._pending = self._executor.submit(self._publish, step, start, written, blocking)
+            self._pending = self._executor.submit(
+                self._publish, step, start, written.result, blocking
+            )
 
-    def _publish(self, step: int, start: float, written: Future | None, blocking=None) -> None:
-        """After this rank's DCP write: hash a share of the files, then rank 0 writes the
-        checksums, renames step-N.tmp to step-N, updates `latest` and applies retention."""
-        if written is not None:
-            written.result()
-        _maybe_kill_for_test(step, self.rank)
+    def _publish(self, step: int, start: float, write, blocking=None) -> None:
+        """write() (this rank's DCP write, or waiting for it), hash a share of the files; then,
+        if every rank got that far, rank 0 writes the checksums, renames step-N.tmp to step-N,
+        updates `latest` and applies retention. SaveError on every rank if any rank failed."""
+        mode = "sync" if blocking is None else "async"
         group = self._group
         tmp = layout.tmp_dir(self.run_dir, step)
-        names = integrity.checkpoint_files(tmp)
-        mine = integrity.describe(tmp, integrity.share(names, self.rank, self.world))
-        everyone: list[dict | None] = [None] * self.world
-        dist.all_gather_object(everyone, mine, group=group)
+        mine, error = None, None
+        try:
+            write()
+            _maybe_kill_for_test(step, self.rank)
+            names = integrity.checkpoint_files(tmp)
+            mine = integrity.describe(tmp, integrity.share(names, self.rank, self.world))
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            error = self._failure(mode, step, tmp, e)
+        everyone = self._exchange((mine, error), group)
+        error = next((err for _, err in everyone if err), None)  # the same on every rank
+        if error is None:
+            if self.rank == 0:
+                try:
+                    entries = {k: v for part, _ in everyone for k, v in (part or {}).items()}
+                    integrity.write(tmp, entries)
+                    final = layout.publish(self.run_dir, step)
+                    layout.apply_retention(self.run_dir, self.ck.keep_last)
+                except Exception as e:
+                    error = self._failure(mode, step, tmp, e, publishing=True)
+            error = self._exchange(error, group)[0]  # rank 0's outcome, once it published
+        if error is not None:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # never published: free the space
+            raise SaveError(error)
         if self.rank == 0:
-            entries = {k: v for part in everyone for k, v in (part or {}).items()}
-            integrity.write(tmp, entries)
-            final = layout.publish(self.run_dir, step)
-            layout.apply_retention(self.run_dir, self.ck.keep_last)
             total = time.perf_counter() - start
             size = sum(v["size"] for v in entries.values())
             self.saved.append(
@@ -293,9 +318,31 @@ class Checkpointer:
                     "bytes": size,
                 }
             )
-            mode = "async" if written is not None else "sync"
             print(f"checkpoint {final} ({size / 2**20:.1f} MiB, {mode}, {total:.2f} s)", flush=True)
-        dist.barrier(group=group)
+
+    def _failure(
+        self, mode: str, step: int, tmp: Path, e: BaseException, publishing: bool = False
+    ) -> str:
+        """The one line of a failed save: which rank, step, path and error."""
+        failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: error}
+        rank = min(failures) if isinstance(failures, dict) and failures else self.rank
+        where = f"publishing {tmp}" if publishing else f"writing {tmp}; nothing was published"
+        return f"rank {rank}: {mode} checkpoint save of step {step} failed: {cause(e)} ({where})"
+
+    def _exchange(self, value, group) -> list:
+        """Every rank's value (all_gather_object); a failed exchange (a peer died in its save)
+        becomes this rank's error instead of an exception from the collective."""
+        if self.world == 1:
+            return [value]
+        everyone = [None] * self.world
+        try:
+            dist.all_gather_object(everyone, value, group=group)
+        except Exception as e:
+            raise SaveError(
+                f"rank {self.rank}: checkpoint save: the ranks could not agree on its outcome "
+                f"({first_line(e)}); a peer failed or exited during the save"
+            ) from None
+        return everyone
 
     def wait(self) -> None:
         """Block until the in-flight async save (if any) is published; re-raise its error."""
