@@ -247,7 +247,7 @@ def saved_tensor(f, offset: int, length: int, where: str) -> tuple[int, torch.Te
     the storage's bytes start without reading them."""
     try:
         t = torch.load(_Window(f, offset, length), map_location="meta", weights_only=True)
-        data = t.untyped_storage()._checkpoint_offset
+        data = t.untyped_storage()._checkpoint_offset  # torch.load sets it for meta loads
     except Exception as e:  # a damaged archive raises anything
         raise ConfigError(
             f"{where} cannot be read ({first_line(e)}); it is truncated or corrupted"
