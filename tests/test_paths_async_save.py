@@ -1,9 +1,9 @@
-"""Async checkpoint writes that fail: never lost, never published.
+"""Checkpoint writes that fail: never lost, never published.
 
-- A write that raises (a full disk) on one rank ends every rank with exit 2 and one line naming
-  the failing rank, the step, the path and the error (no traceback), at the next save or when
-  the run closes; the step is not published, its directory is removed, and no summary claims
-  the run finished.
+- A write that raises (a full disk) on one rank, async or sync, ends every rank with exit 2
+  and one line naming the failing rank, the step, the path and the error (no traceback): a
+  sync save at once, an async one at the next save or when the run closes. The step is not
+  published, its directory is removed, and no summary claims the run finished.
 - A rank killed inside its background write of step 10 ends the job; `resume auto` goes on
   from step 5, the last published checkpoint, and ends with the uninterrupted run's losses.
 """
@@ -27,10 +27,14 @@ def async_args(cache, run, steps):
     return args_for(cache, run, dp=1, tp=2, every=5, async_save="true", train__steps=steps)
 
 
-def test_a_failing_async_write_is_an_error_on_every_rank(cache, tmp_path):
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_failing_write_is_one_line_and_exit_2_on_every_rank(cache, tmp_path, mode):
     run = tmp_path / "run"
-    # Steps 6-8 train while step 5 is being written; the failure surfaces at the end.
-    results = train(2, async_args(cache, run, 8), f"{WORKER} raise 5 1", ok=False)
+    # async: steps 6-8 train while step 5 is being written; the failure surfaces at the end.
+    args = async_args(cache, run, 8)
+    if mode == "sync":
+        args[args.index("--checkpoint.async_save") + 1] = "false"
+    results = train(2, args, f"{WORKER} raise 5 1", ok=False)
     assert [r.returncode for r in results] == [2, 2], [r.stderr[-3000:] for r in results]
     for r in results:
         assert "Traceback" not in r.stderr, r.stderr[-3000:]
@@ -38,7 +42,7 @@ def test_a_failing_async_write_is_an_error_on_every_rank(cache, tmp_path):
     lines = [ln for r in results for ln in r.stderr.splitlines() if "checkpoint save" in ln]
     tmp = layout.tmp_dir(run, 5)
     assert lines == [
-        "error: rank 1: async checkpoint save of step 5 failed: OSError: [Errno 28] injected "
+        f"error: rank 1: {mode} checkpoint save of step 5 failed: OSError: [Errno 28] injected "
         f"write failure of step 5 (writing {tmp}; nothing was published)"
     ], [r.stderr[-3000:] for r in results]
     assert steps_in(run) == [] and not layout.final_dir(run, 5).exists() and not tmp.exists()
