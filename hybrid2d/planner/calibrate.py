@@ -39,15 +39,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from hybrid2d.config import ConfigError, JobConfig, ModelConfig
+from hybrid2d.models.llama import DecoderLayer, Llama
+from hybrid2d.parallel.activation_checkpoint import selective_context
 from hybrid2d.planner import model as cost
 from hybrid2d.planner.hardware import KINDS, PRESETS, Hardware, Link, cpu_guess, get, ring_factor
-
-try:  # CPU collectives routed above the process group (older trainers); None where they are not
-    from hybrid2d.parallel import shm_comm
-except ImportError:  # pragma: no cover - depends on the trainer's version
-    shm_comm = None
 
 # Keeps a CPU calibration short: token counts above this are measured at this many tokens
 # (rates flatten well before), and each figure is timed for about MIN_TIME_S.
@@ -159,11 +157,6 @@ def attention_rate(m: ModelConfig, tokens: int, seq: int, tp: int, dtype, device
 def block_seconds(m: ModelConfig, tokens: int, seq: int, mode: str, dtype, device) -> float:
     """Forward + backward of one whole block (tp 1) under checkpointing `mode`, the trainer's way
     (`torch.utils.checkpoint`, non-reentrant, selective with the trainer's policy)."""
-    from torch.utils.checkpoint import checkpoint
-
-    from hybrid2d.models.llama import DecoderLayer, Llama
-    from hybrid2d.parallel.activation_checkpoint import selective_context
-
     torch.manual_seed(0)
     layer = DecoderLayer(m).to(device=device, dtype=dtype)
     cos, sin = Llama(dataclasses.replace(m, n_layers=0)).to(device).rope(seq, dtype)
@@ -286,24 +279,10 @@ def _pg_ops(group):
     return {"all_gather": all_gather, "reduce_scatter": reduce_scatter, "all_reduce": all_reduce}
 
 
-def _intra_ops(group, largest: int, device: torch.device):
-    """The collectives ranks of one host use: on CPU the shared-memory transport where this
-    version of the trainer routes them above the process group, else the process group itself."""
-    enable = getattr(shm_comm, "enable", None)
-    if enable is None or device.type != "cpu":
-        return _pg_ops(group), f"the trainer's process group ({dist.get_backend(group)})"
-    try:
-        transport = enable(group, largest, 60)
-    except Exception as e:  # ShmUnavailable and anything the transport refuses
-        return _pg_ops(group), f"process group (shared memory unavailable: {e})"
-    return (
-        {
-            "all_gather": lambda x: transport.all_gather(x, 0),
-            "reduce_scatter": lambda y: transport.reduce_scatter(y, 0),
-            "all_reduce": lambda x: transport.all_reduce(x, "sum"),
-        },
-        "shared memory",
-    )
+def _intra_ops(group):
+    """The collectives ranks of one host use: the trainer's process group (on CPU that is the
+    shared-memory backend where it is available, see mesh.process_group_backend)."""
+    return _pg_ops(group), f"the trainer's process group ({dist.get_backend(group)})"
 
 
 def measure_link(ops, sizes: list[int], n: int, device, rounds: int = 1) -> dict[str, list[float]]:
@@ -483,10 +462,9 @@ def _measure(cfg: JobConfig, device: torch.device, world: int, threads: int) -> 
     if world > 1:
         block, root = cost.unit_bytes(m, world, 1, 4)
         acts = [n * m.dim * c for n in tokens]
-        largest = max([block, root, *acts])
         sizes = sorted({min(s, 64 << 20) for s in [*acts, block, root, 1 << 16]})
         group = dist.group.WORLD
-        ops, how = _intra_ops(group, largest, device)
+        ops, how = _intra_ops(group)
         res["intra"] = measure_link(ops, sizes, world, device, rounds)
         res["intra_how"] = how
         tp_tokens = S * max(1, world)  # one sample per micro batch, split over the ranks
