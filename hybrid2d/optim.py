@@ -88,17 +88,3 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
         for (_, dev, dtype), local in groups.items():
             torch._foreach_mul_(local, coef.to(dev, dtype))
     return norm
-
-
-@torch.no_grad()
-def torch_clip_grad_norm(params, max_norm: float) -> torch.Tensor:
-    """clip_grad_norm through torch.nn.utils.get_total_norm / clip_grads_with_norm_ (as
-    torchtitan does): DTensor reduces each norm over the mesh dims its gradient is sharded on.
-    Kept as the reference clip_grad_norm is measured and tested against."""
-    params = [p for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return norm

@@ -4,7 +4,7 @@ usage: grad_norm.py OUT DP TP REPEATS [DP_REPLICATE [MODEL]]   (MODEL: tiny | ll
 
 Builds the tiny test model on a (dp_replicate, dp_shard, tp) mesh, runs one forward/backward,
 then on the same DTensor gradients: the norm of `optim.clip_grad_norm` (one all-reduce over the
-world, replicated shards weighted), of `optim.torch_clip_grad_norm` (torch.nn.utils
+world, replicated shards weighted), of `torch_clip_grad_norm` below (torch.nn.utils
 get_total_norm + clip_grads_with_norm_) and of the gathered full gradients (float64). Counts the
 collectives each issues (CommDebugMode) and times them, alternating, REPEATS calls each. Rank 0
 writes JSON to OUT.
@@ -21,8 +21,23 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from hybrid2d import recipes
 from hybrid2d.mesh import build_mesh, init_distributed, shutdown_distributed
-from hybrid2d.optim import clip_grad_norm, torch_clip_grad_norm
+from hybrid2d.optim import clip_grad_norm
 from tests.reference import global_batches, tiny_config
+
+
+@torch.no_grad()
+def torch_clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+    """clip_grad_norm through torch.nn.utils.get_total_norm / clip_grads_with_norm_ (as
+    torchtitan does): DTensor reduces each norm over the mesh dims its gradient is sharded on.
+    The reference optim.clip_grad_norm is measured and tested against."""
+    params = [p for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
 
 KINDS = {"hybrid2d": clip_grad_norm, "torch": torch_clip_grad_norm}
 
