@@ -28,7 +28,6 @@ import dataclasses
 import importlib
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -359,12 +358,6 @@ def fit_latency_bandwidth(xs: list[float], ys: list[float]) -> list[float]:
 # ---- the whole calibration --------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker_main() -> None:
     """One calibration process (started by `calibrate` with its arguments in the environment)."""
     args = json.loads(os.environ["HYBRID2D_CALIBRATE"])
@@ -513,8 +506,13 @@ def calibrate(
 def _spawn(procs: int, args: dict, timeout: float = 600) -> None:
     """Start `procs` calibration processes as ranks of one host and wait for them."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    port = _free_port()
+    # This process serves the ranks' store on a port the OS assigns while binding it (as
+    # torchrun's agent does), so no other job can take the port between choosing and binding.
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
+    )
     env = dict(os.environ, HYBRID2D_CALIBRATE=json.dumps(args), OMP_NUM_THREADS="1")
+    env.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     code = "from hybrid2d.planner.calibrate import _worker_main; _worker_main()"
     ranks = []
@@ -522,7 +520,7 @@ def _spawn(procs: int, args: dict, timeout: float = 600) -> None:
         env_r = dict(
             env,
             MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
+            MASTER_PORT=str(store.port),
             RANK=str(rank),
             WORLD_SIZE=str(procs),
             LOCAL_RANK=str(rank),
@@ -543,6 +541,7 @@ def _spawn(procs: int, args: dict, timeout: float = 600) -> None:
         for proc in ranks:
             if proc.poll() is None:
                 proc.kill()
+        del store
     if errors:
         raise RuntimeError("calibration failed: " + "; ".join(errors))
 
