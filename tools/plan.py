@@ -326,6 +326,8 @@ def describe_profile(hw: hwlib.Hardware, raw: dict | None = None) -> str:
         lines.append(f"  checkpointing beyond its recompute, per block and micro batch: {parts}")
     if hw.tp_sync_s:
         lines.append(f"  tp collective after compute: +{hw.tp_sync_s * 1e6:.0f} us wait each")
+    if hw.op_overhead_s:
+        lines.append(f"  per dispatched op: {hw.op_overhead_s * 1e6:.1f} us of CPU")
     return "\n".join(lines)
 
 

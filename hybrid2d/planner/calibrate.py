@@ -8,8 +8,11 @@ What the cost model needs, each measured the way a training step meets it:
   output's re-layout, SiLU x up, forward + backward), in the bytes `model.block_elementwise_bytes`
   counts, so that the model's count divided by this figure is the measured time;
 - the optimizer: fused AdamW plus clipping, seconds per parameter;
+- the CPU cost of one dispatched op: a block's forward + backward at a tiny shape of the same
+  structure, over its ops counted by a dispatch mode (`ops.block_ops`);
 - one whole block's forward + backward under each checkpointing mode: what selective and full
-  cost beyond the recompute the model prices (per-op overhead of the checkpoint's dispatch modes);
+  cost beyond the recompute the model prices, its ops included (the rest is the checkpoint's
+  dispatch modes' Python per op);
 - the wait a tp collective adds when it follows compute, as in a step (each rank must be
   scheduled and done computing), over the collective back to back plus the compute alone;
 - collectives (all-gather, reduce-scatter, all-reduce) at the sizes a step uses, inside a node
@@ -44,6 +47,7 @@ from hybrid2d.config import ConfigError, JobConfig, ModelConfig
 from hybrid2d.models.llama import DecoderLayer, Llama
 from hybrid2d.parallel.activation_checkpoint import selective_context
 from hybrid2d.planner import model as cost
+from hybrid2d.planner import ops
 from hybrid2d.planner.hardware import KINDS, PRESETS, Hardware, Link, cpu_guess, get, ring_factor
 
 # Keeps a CPU calibration short: token counts above this are measured at this many tokens
@@ -174,6 +178,25 @@ def block_seconds(m: ModelConfig, tokens: int, seq: int, mode: str, dtype, devic
     return timed(run, device)
 
 
+def seconds_per_op(m: ModelConfig, device) -> float:
+    """CPU seconds per dispatched op: one block's forward + backward at a tiny shape of the
+    model's structure (`ops.tiny`: every op is dispatch-bound there), over the ops
+    `ops.block_ops` counts for it. On CUDA the timing includes the synchronisation at the end,
+    but the kernels are far shorter than their launches at this shape."""
+    t = ops.tiny(m)
+    seq = 8
+    torch.manual_seed(0)
+    layer = DecoderLayer(t).to(device)
+    cos, sin = Llama(dataclasses.replace(t, n_layers=0)).to(device).rope(seq, torch.float32)
+    x = torch.randn(1, seq, t.dim, device=device, requires_grad=True)
+    grad = torch.randn_like(x)
+
+    def run():
+        layer(x, cos, sin).backward(grad)
+
+    return timed(run, device, min_time=0.1, max_reps=50) / ops.block_ops(m, "none")
+
+
 def checkpoint_overhead(raw: dict, m: ModelConfig, hw: Hardware) -> dict[str, float]:
     """Seconds per block and micro batch that a checkpointing mode costs beyond the recompute the
     model prices (`model.flops` and the block's elementwise bytes at this profile's own rates):
@@ -192,6 +215,8 @@ def checkpoint_overhead(raw: dict, m: ModelConfig, hw: Hardware) -> dict[str, fl
     for mode in ("selective", "full"):
         f = cost.flops(one, S, mode, 1)
         priced = (f["recompute_matmul"] / mm + f["recompute_attention"] / attn) * tokens
+        # the recompute's own ops are priced per op (`op_overhead_s`, `ops.block_ops`)
+        priced += (ops.block_ops(m, mode) - ops.block_ops(m, "none")) * hw.op_overhead_s
         extra = raw["block_s"][mode] - raw["block_s"]["none"] - priced - elementwise
         out[mode] = max(0.0, extra) * threads
     return out
@@ -434,18 +459,21 @@ def _measure(cfg: JobConfig, device: torch.device, world: int, threads: int) -> 
         probes[("block", S, mode)] = lambda mode=mode: (
             1.0 / block_seconds(m, S, S, mode, dtype, device)
         )
+    probes[("dispatch", 0, 0)] = lambda: 1.0 / seconds_per_op(m, device)
     n_params = max(4096, min(4_000_000, m.num_params() // max(1, world)))
     probes[("optimizer", 0, 0)] = lambda: 1.0 / optimizer_seconds_per_param(n_params, device)
     found: dict[tuple, list[float]] = {}
     for _ in range(rounds):
         for key, probe in probes.items():
             together()
-            found.setdefault(key, []).append(probe() / (1 if key[0] == "block" else per))
+            per_key = 1 if key[0] in ("block", "dispatch") else per
+            found.setdefault(key, []).append(probe() / per_key)
     rate = {key: statistics.median(values) for key, values in found.items()}
     res["matmul_table"] = [[n, tp, r] for (k, n, tp), r in rate.items() if k == "matmul"]
     res["attention_table"] = [[n, tp, r] for (k, n, tp), r in rate.items() if k == "attention"]
     res["elementwise_table"] = [[n, r] for (k, n, _), r in rate.items() if k == "elementwise"]
     res["optimizer_s_per_param"] = 1.0 / rate[("optimizer", 0, 0)]
+    res["op_overhead_s"] = 1.0 / rate[("dispatch", 0, 0)]
     res["block_s"] = {mode: 1.0 / r for (k, _, mode), r in rate.items() if k == "block"}
     res["block_tokens"], res["seq_len"] = S, S
     res["rounds"] = rounds
@@ -604,6 +632,12 @@ def profile_from(raw: dict, cfg: JobConfig, device: str, base: Hardware | None) 
         hw.sources["intra"] = f"measured with {raw['procs']} processes: {raw['intra_how']}"
     if "inter" in raw:
         hw.inter = Link(bandwidth=max(v[1] for v in raw["inter"].values()), measured=raw["inter"])
+    if "op_overhead_s" in raw:
+        hw.op_overhead_s = raw["op_overhead_s"]
+        hw.sources["op_overhead_s"] = (
+            "measured: one block's forward + backward at a tiny shape of the model's structure "
+            "(dispatch-bound), over its aten ops counted by a dispatch mode (planner/ops.py)"
+        )
     hw.checkpoint_overhead_s = checkpoint_overhead(raw, cfg.model, hw)
     if hw.checkpoint_overhead_s:
         hw.sources["checkpoint_overhead_s"] = (

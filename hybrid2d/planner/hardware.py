@@ -86,6 +86,11 @@ class Hardware:
     # Per block and micro batch, per checkpointing mode: what it costs beyond the recompute the
     # model prices (calibrated; on CPU the per-op overhead of checkpointing's dispatch modes).
     checkpoint_overhead_s: dict[str, float] = field(default_factory=dict)
+    # CPU seconds per dispatched aten op (Python, dispatcher, autograd, hooks), whatever its size;
+    # `planner/ops.py` counts the ops of a step. CPU: per core, added to compute (the same
+    # thread runs both); GPU: the host runs ahead of the kernels, so only what exceeds the
+    # step's kernel time is exposed. 0 (profiles written before it existed): not priced.
+    op_overhead_s: float = 0.0
     # CPU: the host's cores, which the ranks of a node share (each rank gets cores / ranks
     # threads; the calibrated rates are per core). None for GPUs (a device per rank).
     host_cores: int | None = None
@@ -203,6 +208,11 @@ _ASSUMED = {
     "inter.efficiency": "assumption: about 80% of the NIC's line rate",
     "intra.latency_s": "assumption: 15 us per NCCL collective inside a node (small messages)",
     "inter.latency_s": "assumption: 30 us per NCCL collective across nodes",
+    "op_overhead_s": "assumption: 10 us of host CPU per eager op on CUDA (Python, dispatcher, "
+    "autograd, cudaLaunchKernel: about 5-25 us by layer, "
+    "https://jiahuanglin.xyz/all_lessons/gpu_kernel_serving/18_pytorch_to_kernel.html; the "
+    "'overhead' regime of https://horace.io/brrr_intro.html). Measure it: tools/plan.py "
+    "--calibrate --device cuda",
 }
 # Matmul: the Maximum Achievable Matmul FLOPS table (stas00/ml-engineering,
 # compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS comparison table", BF16, v2
@@ -252,6 +262,7 @@ def _gpu(
         gpus_per_node=8,
         intra=Link(bandwidth=nvlink_dir, efficiency=0.8, latency_s=15e-6),
         inter=Link(bandwidth=nic_dir, efficiency=0.8, latency_s=30e-6),
+        op_overhead_s=10e-6,
         matmul_efficiency=matmul[0],
         attention_efficiency=attention[0],
         memory_efficiency=0.8,
@@ -380,6 +391,7 @@ def cpu_guess() -> Hardware:
         attention_table=[[256, 1, 10e9]],
         elementwise_table=[[256, 5e9]],
         optimizer_s_per_param=2e-9,
+        op_overhead_s=20e-6,
         host_cores=cores,
         comm_overlap=False,
         sources={"all": guess},

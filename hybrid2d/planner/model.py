@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from hybrid2d.comm_report import analytic_step
 from hybrid2d.config import ConfigError, JobConfig, ModelConfig
 from hybrid2d.metrics import flops_per_token
+from hybrid2d.planner import ops
 from hybrid2d.planner.hardware import Hardware, Link
 from hybrid2d.profiling.estimate import (
     MeshShape,
@@ -325,6 +326,7 @@ def predict_valid(
     tp_link = group_link(hw, T, 1, G)
     tp_s = 0.0
     tp_bytes = 0
+    tp_count = 0
     for kind in ("all_gather", "reduce_scatter", "all_reduce"):
         count, payload = step.get(f"tp_{kind}", (0, 0))
         if p.activation_checkpoint == "full" and kind != "all_reduce" and count:
@@ -334,6 +336,7 @@ def predict_valid(
             count, payload = count + extra, payload + extra * payload / count
         tp_s += tp_link.seconds(kind, T, payload, count) + count * hw.tp_sync_s
         tp_bytes += payload
+        tp_count += count
     tp_s *= comm_scale
 
     defer = p.defer_grad_sync and n_micro > 1
@@ -368,7 +371,26 @@ def predict_valid(
     # Calibrated: what checkpointing costs beyond its recompute (one core's seconds per block).
     overhead = hw.checkpoint_overhead_s.get(p.activation_checkpoint, 0.0)
     checkpoint_s = overhead * m.n_layers * n_micro / min(1.0, share)
-    compute_s = matmul_s + attention_s + elementwise_s + checkpoint_s
+    # Per-op CPU cost of eager PyTorch: ops dispatched in the step x seconds per op. CPU: the
+    # rank's thread runs it between kernels (a rank with less than a core waits for one); GPU:
+    # the host runs ahead, so only what exceeds the kernels' time is exposed.
+    op_counts = ops.step_ops(
+        m,
+        p.activation_checkpoint,
+        n_micro,
+        tp_count,
+        ag_count,
+        rs_count,
+        len(model_params(m)),
+    )
+    n_ops = sum(op_counts.values())
+    dispatch_total = n_ops * hw.op_overhead_s / (min(1.0, share) if hw.host_cores else 1.0)
+    kernels_s = matmul_s + attention_s + elementwise_s + checkpoint_s
+    if hw.host_cores:
+        dispatch_s = dispatch_total
+    else:
+        dispatch_s = max(0.0, dispatch_total - kernels_s)
+    compute_s = kernels_s + dispatch_s
     forward_s = (
         f["matmul"] / 3 * rank_tokens / mm_rate
         + f["attention"] / 3 * rank_tokens / attn_rate
@@ -439,6 +461,10 @@ def predict_valid(
         "elementwise_s": elementwise_s,
         "recompute_s": recompute_s,
         "checkpoint_overhead_s": checkpoint_s,
+        "dispatch_s": dispatch_s,  # exposed per-op CPU cost, part of compute_s
+        "dispatch_total_s": dispatch_total,
+        "ops_per_step": n_ops,
+        "ops_by_source": op_counts,
         "fsdp_all_gather_s": ag_s,
         "fsdp_reduce_scatter_s": rs_s,
         "hsdp_all_reduce_s": ar_s,
@@ -496,6 +522,7 @@ def reason(c: Candidate, hw: Hardware, headroom: float) -> str:
         f"recompute ({c.activation_checkpoint})": d["recompute_s"],
         "optimizer step": c.optimizer_s,
         "elementwise ops": d["elementwise_s"],
+        "per-op dispatch": d.get("dispatch_s", 0.0),
     }
     name, seconds = max(shares.items(), key=lambda kv: kv[1])
     if seconds / c.step_s < 0.05:

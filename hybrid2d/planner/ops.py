@@ -1,0 +1,146 @@
+"""How many aten ops one training step dispatches: the count the per-op CPU cost multiplies.
+
+Eager PyTorch pays microseconds of CPU per dispatched op (Python, the dispatcher, autograd,
+DTensor / FSDP / checkpoint hooks) whatever the op's size; at small shapes that, not FLOPs or
+bytes, sets the step time. The count comes from the model's structure:
+
+- one block's forward + backward, and the head's (embedding, final norm, output projection,
+  cross entropy), counted by running them under a dispatch counter at a tiny shape of the same
+  structure (heads, kv heads), with the trainer's checkpoint call and selective policy, so that
+  recompute's ops are counted as they run;
+- per tp collective, per FSDP unit's all-gather / reduce-scatter and per parameter in the
+  optimizer: the ops the trainer's code issues around each (listed below, counted by hand from
+  `parallel/sequence_comm.py`, FSDP2's copy-in / copy-out and `optim.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+
+from hybrid2d.config import ModelConfig
+from hybrid2d.models.llama import DecoderLayer, Llama
+from hybrid2d.parallel.activation_checkpoint import selective_context
+
+# A sequence-parallel collective (`sequence_comm._gather` / `_reduce_scatter`): the input's
+# contiguous copy, the collective, its wait, and the re-layout of the result (view, movedim /
+# chunk and cat): about 5 ops each, forward or backward.
+OPS_PER_TP_COLLECTIVE = 5
+# One FSDP2 unit's all-gather: the output buffer, copy-in, the collective, its wait, the
+# split copy-out; then per parameter a view into the unsharded buffer and its as_strided.
+OPS_PER_FSDP_GATHER = 5
+OPS_PER_FSDP_GATHER_PARAM = 2
+# One unit's reduce-scatter: the input buffer, the chunk-cat copy-in, the collective, its wait,
+# the division by the group size; per parameter a view of its shard and its accumulation.
+OPS_PER_FSDP_REDUCE = 5
+OPS_PER_FSDP_REDUCE_PARAM = 2
+# Optimizer step per parameter tensor: clipping's local view and norm list entry, the fused
+# AdamW's step-count increment and the zeroing of its gradient (foreach and fused ops
+# dispatch once per list, but each tensor's DTensor unwrap and state are per tensor).
+OPS_PER_PARAM_OPTIMIZER = 4
+OPS_PER_STEP_OPTIMIZER = 20  # norms' stack, pow, sum, sqrt, clip coefficient, lr, ...
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every aten op that reaches the dispatcher while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def tiny(m: ModelConfig) -> ModelConfig:
+    """The same structure (heads, kv heads, weight tying) at a shape where counting is cheap."""
+    return dataclasses.replace(
+        m, dim=8 * m.n_heads, ffn_dim=16, vocab_size=32, n_layers=1, max_position_embeddings=64
+    )
+
+
+def _structure(m: ModelConfig) -> tuple:
+    return (m.n_heads, m.n_kv_heads, m.tie_embeddings)
+
+
+def block_ops(m: ModelConfig, mode: str) -> int:
+    """Aten ops of one block's forward + backward (tp 1) under checkpointing `mode`."""
+    return _block_ops(_structure(m), mode)
+
+
+def head_ops(m: ModelConfig) -> int:
+    """Aten ops of the embedding, final norm, output projection and loss, forward + backward."""
+    return _head_ops(_structure(m))
+
+
+def _tiny_from(structure: tuple) -> ModelConfig:
+    n_heads, n_kv_heads, tie = structure
+    return tiny(ModelConfig(n_heads=n_heads, n_kv_heads=n_kv_heads, tie_embeddings=tie))
+
+
+@functools.lru_cache(maxsize=64)
+def _block_ops(structure: tuple, mode: str) -> int:
+    m = _tiny_from(structure)
+    seq = 8
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        layer = DecoderLayer(m)
+        cos, sin = Llama(dataclasses.replace(m, n_layers=0)).rope(seq, torch.float32)
+        x = torch.randn(1, seq, m.dim, requires_grad=True)
+        grad = torch.randn_like(x)
+    with OpCounter() as counter:
+        if mode == "none":
+            y = layer(x, cos, sin)
+        else:
+            ctx = {"context_fn": selective_context} if mode == "selective" else {}
+            y = checkpoint(layer, x, cos, sin, use_reentrant=False, **ctx)
+        y.backward(grad)
+    return counter.count
+
+
+@functools.lru_cache(maxsize=64)
+def _head_ops(structure: tuple) -> int:
+    m = dataclasses.replace(_tiny_from(structure), n_layers=0)
+    seq = 8
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = Llama(m)
+        tokens = torch.randint(0, m.vocab_size, (1, seq))
+    with OpCounter() as counter:
+        logits = model(tokens)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten(), reduction="sum")
+        loss.backward()
+    return counter.count
+
+
+def block_params() -> int:
+    """Parameter tensors of one block (q, k, v, o, gate, up, down, two norms)."""
+    return 9
+
+
+def step_ops(
+    m: ModelConfig,
+    mode: str,
+    n_micro: int,
+    tp_collectives: int,
+    fsdp_gathers: int,
+    fsdp_reduces: int,
+    params: int,
+) -> dict[str, int]:
+    """Ops one rank dispatches in a step, by source. `fsdp_gathers` / `fsdp_reduces` count the
+    unit collectives (all units, every micro batch); `params` the rank's parameter tensors."""
+    unit_params = block_params()
+    return {
+        "blocks": m.n_layers * n_micro * block_ops(m, mode),
+        "head": n_micro * head_ops(m),
+        "tp_collectives": tp_collectives * OPS_PER_TP_COLLECTIVE,
+        "fsdp": fsdp_gathers * (OPS_PER_FSDP_GATHER + OPS_PER_FSDP_GATHER_PARAM * unit_params)
+        + fsdp_reduces * (OPS_PER_FSDP_REDUCE + OPS_PER_FSDP_REDUCE_PARAM * unit_params),
+        "optimizer": params * OPS_PER_PARAM_OPTIMIZER + OPS_PER_STEP_OPTIMIZER,
+    }
