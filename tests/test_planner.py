@@ -15,6 +15,7 @@ from hybrid2d import recipes
 from hybrid2d.comm_report import analytic_step
 from hybrid2d.config import ConfigError, JobConfig, ModelConfig
 from hybrid2d.metrics import flops_per_token
+from hybrid2d.parallel.activation_checkpoint import MODES
 from hybrid2d.planner import Hardware, Link, best_plan, hardware, plan, predict
 from hybrid2d.planner.calibrate import fit_latency_bandwidth
 from hybrid2d.planner.model import flops as planner_flops
@@ -140,6 +141,111 @@ def test_checkpoint_overhead_is_paid_per_block_and_micro_batch():
             assert paid.details["recompute_s"] - base.details["recompute_s"] == pytest.approx(
                 extra, abs=1e-12
             )
+
+
+def test_dispatch_is_ops_times_cost_per_op():
+    """The per-op term is the step's op count x seconds per op (x ranks / cores when ranks
+    outnumber the cores), serial with compute on CPU; the count is its sources' sum."""
+    for world, cores, mesh in ((2, 2, MeshShape(1, 2, 1)), (4, 2, MeshShape(1, 2, 2))):
+        job = with_settings(debug_job(global_batch=8), "selective", 1)
+        hw = hardware.get("cpu")
+        hw.host_cores = cores
+        hw.op_overhead_s = 0.0
+        base = predict(job, mesh, hw, world)
+        hw.op_overhead_s = 25e-6
+        paid = predict(job, mesh, hw, world)
+        n_ops = paid.details["ops_per_step"]
+        assert n_ops == sum(paid.details["ops_by_source"].values()) > 0
+        expected = n_ops * 25e-6 * max(1, world / cores)
+        assert paid.details["dispatch_s"] == pytest.approx(expected)
+        assert paid.compute_s - base.compute_s == pytest.approx(expected)
+        assert paid.step_s - base.step_s == pytest.approx(expected)
+        assert base.details["dispatch_s"] == 0.0
+
+
+def _ops(job: JobConfig, mesh: MeshShape) -> dict:
+    return predict(job, mesh, hardware.get("cpu"), mesh.world).details["ops_by_source"]
+
+
+def test_op_count_grows_with_layers_micro_batches_checkpointing_and_tp():
+    job = debug_job(global_batch=8)
+    mesh = MeshShape(1, 2, 1)
+    total = {ac: sum(_ops(with_settings(job, ac, 1), mesh).values()) for ac in MODES}
+    assert total["full"] > total["none"] and total["selective"] > total["none"]
+    one, two = (sum(_ops(with_settings(job, "none", mb), mesh).values()) for mb in (2, 1))
+    assert two > one  # micro batch 1: twice the forward/backward passes of micro batch 2
+    deeper = with_settings(job, "none", 1)
+    deeper.model.n_layers *= 2
+    assert sum(_ops(deeper, mesh).values()) > total["none"]
+    flat = _ops(with_settings(job, "none", 1), MeshShape(1, 2, 1))
+    tp = _ops(with_settings(job, "none", 1), MeshShape(1, 1, 2))
+    assert flat["tp_collectives"] == 0 < tp["tp_collectives"]
+    assert tp["fsdp"] == 0 < flat["fsdp"]
+
+
+def test_block_op_count_does_not_depend_on_the_shape():
+    """The tiny block `ops.block_ops` counts dispatches as many ops as the model's own block at
+    its real shape (counted here with a separate dispatch counter), in every mode."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.checkpoint import checkpoint
+
+    from hybrid2d.models.llama import DecoderLayer, Llama
+    from hybrid2d.parallel.activation_checkpoint import selective_context
+    from hybrid2d.planner import ops
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    m = debug_job().model
+    layer = DecoderLayer(m)
+    seq = 32
+    cos, sin = Llama(dataclasses.replace(m, n_layers=0)).rope(seq, torch.float32)
+    x = torch.randn(2, seq, m.dim, requires_grad=True)
+    grad = torch.randn_like(x)
+    for ac in MODES:
+        with Count() as c:
+            if ac == "none":
+                y = layer(x, cos, sin)
+            else:
+                ctx = {"context_fn": selective_context} if ac == "selective" else {}
+                y = checkpoint(layer, x, cos, sin, use_reentrant=False, **ctx)
+            y.backward(grad)
+        assert c.n == ops.block_ops(m, ac), ac
+
+
+def test_profile_without_op_overhead_loads_and_prices_no_dispatch(tmp_path):
+    """A profile written before `op_overhead_s` existed still loads: the term is 0."""
+    hw = hardware.get("cpu")
+    data = hw.to_dict()
+    del data["op_overhead_s"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    old = hardware.load(str(path))
+    assert old.op_overhead_s == 0.0
+    cand = predict(debug_job(global_batch=8), MeshShape(1, 2, 1), old, 2)
+    assert cand.details["dispatch_s"] == 0.0 and cand.details["ops_per_step"] > 0
+
+
+def test_gpu_dispatch_is_exposed_only_beyond_kernel_time():
+    """On a GPU the host runs ahead of the kernels: per-op cost shows only where it exceeds them
+    (a small model at a huge per-op cost), never for a large one at the preset's."""
+    big = recipes.get("llama3.1-8b")
+    cand = predict(big, MeshShape(1, 8, 1), hardware.get("h100"), 8)
+    assert cand.details["dispatch_s"] == 0.0 < cand.details["dispatch_total_s"]
+    small = debug_job(global_batch=8)
+    hw = hardware.get("h100")
+    hw.op_overhead_s = 0.0
+    base = predict(small, MeshShape(1, 2, 1), hw, 8)
+    hw.op_overhead_s = 1e-3
+    slow = predict(small, MeshShape(1, 2, 1), hw, 8)
+    total = slow.details["dispatch_total_s"]
+    assert total == pytest.approx(slow.details["ops_per_step"] * 1e-3)
+    assert slow.compute_s == pytest.approx(max(base.compute_s, total))
 
 
 def test_unit_bytes_add_up_to_the_analytic_step():

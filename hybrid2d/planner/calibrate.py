@@ -41,6 +41,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.utils.checkpoint import checkpoint
 
 from hybrid2d.config import ConfigError, JobConfig, ModelConfig
@@ -178,15 +180,19 @@ def block_seconds(m: ModelConfig, tokens: int, seq: int, mode: str, dtype, devic
     return timed(run, device)
 
 
-def seconds_per_op(m: ModelConfig, device) -> float:
+def seconds_per_op(m: ModelConfig, device, mesh=None) -> float:
     """CPU seconds per dispatched op: one block's forward + backward at a tiny shape of the
-    model's structure (`ops.tiny`: every op is dispatch-bound there), over the ops
-    `ops.block_ops` counts for it. On CUDA the timing includes the synchronisation at the end,
-    but the kernels are far shorter than their launches at this shape."""
+    model's structure (`ops.tiny`: every op is dispatch-bound there), over the ops dispatched in
+    that same call (a dispatch counter). With `mesh` (a one-rank mesh) the block is wrapped by
+    FSDP2 as the trainer wraps every block, so its hooks' Python per op is in the figure. On
+    CUDA the timing includes the final synchronisation; the kernels are far shorter than their
+    launches at this shape."""
     t = ops.tiny(m)
     seq = 8
     torch.manual_seed(0)
     layer = DecoderLayer(t).to(device)
+    if mesh is not None:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=False)
     cos, sin = Llama(dataclasses.replace(t, n_layers=0)).to(device).rope(seq, torch.float32)
     x = torch.randn(1, seq, t.dim, device=device, requires_grad=True)
     grad = torch.randn_like(x)
@@ -194,7 +200,10 @@ def seconds_per_op(m: ModelConfig, device) -> float:
     def run():
         layer(x, cos, sin).backward(grad)
 
-    return timed(run, device, min_time=0.1, max_reps=50) / ops.block_ops(m, "none")
+    run()
+    with ops.OpCounter() as counter:
+        run()
+    return timed(run, device, min_time=0.1, max_reps=50) / counter.count
 
 
 def checkpoint_overhead(raw: dict, m: ModelConfig, hw: Hardware) -> dict[str, float]:
@@ -459,7 +468,11 @@ def _measure(cfg: JobConfig, device: torch.device, world: int, threads: int) -> 
         probes[("block", S, mode)] = lambda mode=mode: (
             1.0 / block_seconds(m, S, S, mode, dtype, device)
         )
-    probes[("dispatch", 0, 0)] = lambda: 1.0 / seconds_per_op(m, device)
+    solo = None  # a one-rank mesh per process, for FSDP as the trainer applies it
+    if dist.is_initialized():
+        solo = init_device_mesh(device.type, (world, 1), mesh_dim_names=("ranks", "solo"))
+        solo = solo["solo"]
+    probes[("dispatch", 0, 0)] = lambda: 1.0 / seconds_per_op(m, device, solo)
     n_params = max(4096, min(4_000_000, m.num_params() // max(1, world)))
     probes[("optimizer", 0, 0)] = lambda: 1.0 / optimizer_seconds_per_param(n_params, device)
     found: dict[tuple, list[float]] = {}
@@ -636,7 +649,8 @@ def profile_from(raw: dict, cfg: JobConfig, device: str, base: Hardware | None) 
         hw.op_overhead_s = raw["op_overhead_s"]
         hw.sources["op_overhead_s"] = (
             "measured: one block's forward + backward at a tiny shape of the model's structure "
-            "(dispatch-bound), over its aten ops counted by a dispatch mode (planner/ops.py)"
+            "(dispatch-bound), wrapped by FSDP2 on a one-rank mesh as the trainer wraps blocks "
+            "(when calibrating with a process group), over its aten ops counted by a dispatch mode"
         )
     hw.checkpoint_overhead_s = checkpoint_overhead(raw, cfg.model, hw)
     if hw.checkpoint_overhead_s:
