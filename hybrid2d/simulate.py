@@ -33,6 +33,9 @@ import time
 
 import torch
 from torch.distributed.tensor import DTensor
+
+# Private module, no public home yet (torch 2.13): TorchDispatchMode is what FlopCounterMode and
+# CommDebugMode are built on; move when torch exports it publicly.
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 

@@ -20,6 +20,9 @@ import functools
 
 import torch
 import torch.nn.functional as F
+
+# Private module, no public home yet (torch 2.13): TorchDispatchMode is what FlopCounterMode and
+# CommDebugMode are built on; move when torch exports it publicly.
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
