@@ -43,11 +43,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.utils.checkpoint import checkpoint
 
 from hybrid2d.config import ConfigError, JobConfig, ModelConfig
 from hybrid2d.models.llama import DecoderLayer, Llama
-from hybrid2d.parallel.activation_checkpoint import selective_context
 from hybrid2d.planner import model as cost
 from hybrid2d.planner import ops
 from hybrid2d.planner.hardware import KINDS, PRESETS, Hardware, Link, cpu_guess, get, ring_factor
@@ -160,24 +158,8 @@ def attention_rate(m: ModelConfig, tokens: int, seq: int, tp: int, dtype, device
 
 
 def block_seconds(m: ModelConfig, tokens: int, seq: int, mode: str, dtype, device) -> float:
-    """Forward + backward of one whole block (tp 1) under checkpointing `mode`, the trainer's way
-    (`torch.utils.checkpoint`, non-reentrant, selective with the trainer's policy)."""
-    torch.manual_seed(0)
-    layer = DecoderLayer(m).to(device=device, dtype=dtype)
-    cos, sin = Llama(dataclasses.replace(m, n_layers=0)).to(device).rope(seq, dtype)
-    x = torch.randn(max(1, tokens // seq), seq, m.dim, dtype=dtype, device=device)
-    x.requires_grad_(True)
-    grad = torch.randn_like(x)
-
-    def run():
-        if mode == "none":
-            y = layer(x, cos, sin)
-        else:
-            ctx = {"context_fn": selective_context} if mode == "selective" else {}
-            y = checkpoint(layer, x, cos, sin, use_reentrant=False, **ctx)
-        y.backward(grad)
-
-    return timed(run, device)
+    """Forward + backward of one whole block (tp 1) under checkpointing `mode` (ops.block_step)."""
+    return timed(ops.block_step(m, max(1, tokens // seq), seq, mode, dtype, device), device)
 
 
 def seconds_per_op(m: ModelConfig, device, mesh=None) -> float:

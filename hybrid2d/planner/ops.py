@@ -89,22 +89,32 @@ def _tiny_from(structure: tuple) -> ModelConfig:
 
 @functools.lru_cache(maxsize=64)
 def _block_ops(structure: tuple, mode: str) -> int:
-    m = _tiny_from(structure)
-    seq = 8
     with torch.random.fork_rng():
-        torch.manual_seed(0)
-        layer = DecoderLayer(m)
-        cos, sin = Llama(dataclasses.replace(m, n_layers=0)).rope(seq, torch.float32)
-        x = torch.randn(1, seq, m.dim, requires_grad=True)
-        grad = torch.randn_like(x)
+        run = block_step(_tiny_from(structure), 1, 8, mode, torch.float32, torch.device("cpu"))
     with OpCounter() as counter:
+        run()
+    return counter.count
+
+
+def block_step(m: ModelConfig, batch: int, seq: int, mode: str, dtype, device):
+    """One whole block (tp 1, seeded) and a function running its forward + backward under
+    checkpointing `mode` the trainer's way (`torch.utils.checkpoint`, non-reentrant, selective
+    with the trainer's policy): what calibration times and what the op count counts."""
+    torch.manual_seed(0)
+    layer = DecoderLayer(m).to(device=device, dtype=dtype)
+    cos, sin = Llama(dataclasses.replace(m, n_layers=0)).to(device).rope(seq, dtype)
+    x = torch.randn(batch, seq, m.dim, dtype=dtype, device=device, requires_grad=True)
+    grad = torch.randn_like(x)
+
+    def run():
         if mode == "none":
             y = layer(x, cos, sin)
         else:
             ctx = {"context_fn": selective_context} if mode == "selective" else {}
             y = checkpoint(layer, x, cos, sin, use_reentrant=False, **ctx)
         y.backward(grad)
-    return counter.count
+
+    return run
 
 
 @functools.lru_cache(maxsize=64)
