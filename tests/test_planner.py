@@ -143,6 +143,74 @@ def test_checkpoint_overhead_is_paid_per_block_and_micro_batch():
             )
 
 
+def test_block_residual_is_paid_per_block_and_micro_batch():
+    """A calibrated block residual adds (fixed + per token x tokens / tp) per block and micro
+    batch to compute (x ranks / cores when ranks outnumber cores), whatever the checkpointing."""
+    for world, cores, mesh in ((2, 2, MeshShape(1, 2, 1)), (4, 2, MeshShape(1, 2, 2))):
+        for ac, micro in (("none", 1), ("full", 2)):
+            job = with_settings(debug_job(global_batch=8), ac, micro)
+            hw = hardware.get("cpu")
+            hw.host_cores = cores
+            base = predict(job, mesh, hw, world)
+            hw.block_residual_s = {"fixed": 2e-3, "per_token": 3e-6}
+            paid = predict(job, mesh, hw, world)
+            n_micro = job.train.global_batch // mesh.dp // micro
+            tokens = micro * job.train.seq_len
+            each = (2e-3 + 3e-6 * tokens / mesh.tp) * max(1, world / cores)
+            extra = each * job.model.n_layers * n_micro
+            assert paid.compute_s - base.compute_s == pytest.approx(extra)
+            assert paid.details["block_residual_s"] == pytest.approx(extra)
+
+
+def test_tp_block_overhead_is_paid_only_with_tp():
+    """The calibrated cost of a tp-sharded block's parallel forward adds overhead x layers x
+    micro batches to tp comm (x ranks / cores when ranks outnumber cores), and nothing at tp 1."""
+    for world, cores, mesh in ((2, 2, MeshShape(1, 1, 2)), (4, 2, MeshShape(1, 2, 2))):
+        job = with_settings(debug_job(global_batch=8), "none", 1)
+        hw = hardware.get("cpu")
+        hw.host_cores = cores
+        base = predict(job, mesh, hw, world)
+        hw.tp_block_overhead_s = 4e-3
+        paid = predict(job, mesh, hw, world)
+        n_micro = job.train.global_batch // mesh.dp
+        extra = 4e-3 * job.model.n_layers * n_micro * max(1, world / cores)
+        assert paid.tp_comm_s - base.tp_comm_s == pytest.approx(extra)
+        flat = predict(job, MeshShape(1, world, 1), hw, world)
+        hw.tp_block_overhead_s = 0.0
+        assert predict(job, MeshShape(1, world, 1), hw, world).step_s == flat.step_s
+
+
+def test_calibrated_residuals_are_the_measurement_less_the_priced_block():
+    """`block_residual` recovers a residual put into the block timings on top of what the model
+    prices (fixed + per token, from one and two samples); `tp_block_overhead` what a tp block
+    took beyond its share of the work, the residual and its priced collectives."""
+    from hybrid2d.planner.calibrate import block_residual, priced_block, tp_block_overhead
+
+    m = debug_job().model
+    hw = hardware.get("cpu")
+    hw.host_cores, hw.op_overhead_s, hw.tp_sync_s = 2, 5e-6, 1e-4
+    S = 64
+    raw = {"threads": 1, "seq_len": S, "procs": 2}
+    raw["block_none_s"] = [
+        [n, priced_block(m, hw, n, S, 1, 1) + 0.004 + 2e-6 * n] for n in (2 * S, S)
+    ]
+    hw.block_residual_s = block_residual(raw, m, hw)
+    assert hw.block_residual_s["fixed"] == pytest.approx(0.004)
+    assert hw.block_residual_s["per_token"] == pytest.approx(2e-6)
+    without = tp_block_overhead(dict(raw, tp_block_s=0.0, tp_block_tp=2), m, hw)
+    assert without == 0.0  # never negative
+    priced = priced_block(m, hw, S, S, 2, 1) + 0.004 + 2e-6 * S / 2
+    step = analytic_step(m, 1, 2, 1, S, 1, elt=4)
+    two = analytic_step(dataclasses.replace(m, n_layers=m.n_layers + 1), 1, 2, 1, S, 1, elt=4)
+    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+        count = two[f"tp_{kind}"][0] - step[f"tp_{kind}"][0]
+        payload = two[f"tp_{kind}"][1] - step[f"tp_{kind}"][1]
+        priced += hw.intra.seconds(kind, 2, payload, count) + count * hw.tp_sync_s
+    raw.update(tp_block_s=priced + 0.007, tp_block_tp=2)
+    assert tp_block_overhead(raw, m, hw) == pytest.approx(0.007)
+    assert block_residual({"threads": 1}, m, hw) == {}
+
+
 def test_dispatch_is_ops_times_cost_per_op():
     """The per-op term is the step's op count x seconds per op (x ranks / cores when ranks
     outnumber the cores), serial with compute on CPU; the count is its sources' sum."""

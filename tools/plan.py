@@ -324,8 +324,16 @@ def describe_profile(hw: hwlib.Hardware, raw: dict | None = None) -> str:
     if hw.checkpoint_overhead_s:
         parts = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in hw.checkpoint_overhead_s.items())
         lines.append(f"  checkpointing beyond its recompute, per block and micro batch: {parts}")
+    if hw.block_residual_s:
+        r = hw.block_residual_s
+        lines.append(
+            f"  a block beyond its priced pieces: {r['fixed'] * 1e3:.2f} ms + "
+            f"{r['per_token'] * 1e6:.2f} us per token"
+        )
     if hw.tp_sync_s:
         lines.append(f"  tp collective after compute: +{hw.tp_sync_s * 1e6:.0f} us wait each")
+    if hw.tp_block_overhead_s:
+        lines.append(f"  a tp-sharded block beyond that: {hw.tp_block_overhead_s * 1e3:.2f} ms")
     if hw.op_overhead_s:
         lines.append(f"  per dispatched op: {hw.op_overhead_s * 1e6:.1f} us of CPU")
     return "\n".join(lines)

@@ -203,6 +203,13 @@ def llama_tp_plan() -> dict[str, ParallelStyle]:
     }
 
 
+def block_tp_plan() -> dict[str, ParallelStyle]:
+    """The plan's entries for one block, with paths relative to the block (what the planner's
+    calibration times)."""
+    prefix = "model.layers.*."
+    return {k.removeprefix(prefix): v for k, v in llama_tp_plan().items() if k.startswith(prefix)}
+
+
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Shard a `Llama` over the 1-D tp mesh in place (no-op for tp == 1)."""
     if tp_mesh.size() == 1:

@@ -13,8 +13,12 @@ What the cost model needs, each measured the way a training step meets it:
 - one whole block's forward + backward under each checkpointing mode: what selective and full
   cost beyond the recompute the model prices, its ops included (the rest is the checkpoint's
   dispatch modes' Python per op);
+- one whole block's forward + backward without checkpointing at one and two samples: what it
+  takes beyond the pieces above, priced (a fixed part and a part per token);
 - the wait a tp collective adds when it follows compute, as in a step (each rank must be
   scheduled and done computing), over the collective back to back plus the compute alone;
+- one block sharded by the trainer's tp plan over the measuring processes: what its parallel
+  forward costs beyond its share of the work, the residual and its priced collectives;
 - collectives (all-gather, reduce-scatter, all-reduce) at the sizes a step uses, inside a node
   (CPU: the process group the trainer creates, or the shared-memory transport; CUDA: NCCL between
   two GPUs when there are two) and, on CPU, across nodes (gloo over TCP): latency and bandwidth
@@ -44,6 +48,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from hybrid2d.comm_report import analytic_step
 from hybrid2d.config import ConfigError, JobConfig, ModelConfig
 from hybrid2d.models.llama import DecoderLayer, Llama
 from hybrid2d.planner import model as cost
@@ -162,6 +167,23 @@ def block_seconds(m: ModelConfig, tokens: int, seq: int, mode: str, dtype, devic
     return timed(ops.block_step(m, max(1, tokens // seq), seq, mode, dtype, device), device)
 
 
+def tp_block_seconds(m: ModelConfig, seq: int, dtype, device, tp_mesh, reps: int = 9) -> float:
+    """Forward + backward of one block sharded over `tp_mesh` by the trainer's plan (one sample,
+    this rank's sequence shard): the median of `reps` calls, every rank making the same calls,
+    since the waits for the other ranks are part of what it measures, as in a step."""
+    run = ops.block_step(m, 1, seq, "none", dtype, device, tp_mesh)
+    run()
+    _sync(device)
+    dist.barrier()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        run()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def seconds_per_op(m: ModelConfig, device, mesh=None) -> float:
     """CPU seconds per dispatched op: one block's forward + backward at a tiny shape of the
     model's structure (`ops.tiny`: every op is dispatch-bound there), over the ops dispatched in
@@ -211,6 +233,64 @@ def checkpoint_overhead(raw: dict, m: ModelConfig, hw: Hardware) -> dict[str, fl
         extra = raw["block_s"][mode] - raw["block_s"]["none"] - priced - elementwise
         out[mode] = max(0.0, extra) * threads
     return out
+
+
+def priced_block(m: ModelConfig, hw: Hardware, tokens: int, seq: int, tp: int, threads: int):
+    """Seconds the model prices for one block's forward + backward without checkpointing, at
+    `tokens` tokens on `tp` ranks, with `threads` cores of this profile: matmuls, attention,
+    elementwise traffic and dispatched ops; no tp communication."""
+    one = dataclasses.replace(m, n_layers=1)
+    f = cost.flops(one, seq, "none", tp)
+    block_mm = f["matmul"] - 6 * m.vocab_size * m.dim  # flops_per_token counts the head too
+    c = 4 if hw.target == "cpu" else 2
+    kernels = (
+        block_mm * tokens / tp / (hw.matmul_rate(tokens, tp) * threads)
+        + f["attention"] * tokens / tp / (hw.attention_rate(tokens, tp) * threads)
+        + 3
+        * sum(cost.block_elementwise_bytes(m, tokens, tp, c).values())
+        / (hw.elementwise_bandwidth(tokens) * threads)
+    )
+    dispatch = ops.block_ops(m, "none") * hw.op_overhead_s
+    return kernels + dispatch if hw.host_cores else max(kernels, dispatch)
+
+
+def block_residual(raw: dict, m: ModelConfig, hw: Hardware) -> dict[str, float]:
+    """What one whole block's measured forward + backward (tp 1, no checkpointing) takes beyond
+    what the model prices for it, as a fixed part and a part per token (from one and two
+    samples), per core: the pieces are measured alone, and a block runs them back to back with
+    autograd between, its backward's transposed operands and its allocations."""
+    if "block_none_s" not in raw:
+        return {}
+    threads, S = raw["threads"], raw["seq_len"]
+    (n1, r1), (n2, r2) = sorted(
+        (n, t - priced_block(m, hw, n, S, 1, threads)) for n, t in raw["block_none_s"]
+    )
+    per_token = max(0.0, (r2 - r1) / (n2 - n1))
+    fixed = max(0.0, r1 - per_token * n1)
+    return {"fixed": fixed * threads, "per_token": per_token * threads}
+
+
+def tp_block_overhead(raw: dict, m: ModelConfig, hw: Hardware) -> float:
+    """What one block sharded by the trainer's tp plan takes beyond what the model prices for
+    it (its share of the work, the tp-1 residual, and its sequence-parallel collectives with
+    their waits), per core: the parallel forward's wrappers, autograd functions and DTensor
+    conversions."""
+    if "tp_block_s" not in raw:
+        return 0.0
+    T, S, threads = raw["tp_block_tp"], raw["seq_len"], raw["threads"]
+    c = 4 if hw.target == "cpu" else 2
+    residual = hw.block_residual_s
+    priced = priced_block(m, hw, S, S, T, threads)
+    priced += (residual.get("fixed", 0.0) + residual.get("per_token", 0.0) * S / T) / threads
+    one, two = (
+        analytic_step(dataclasses.replace(m, n_layers=n), 1, T, 1, S, 1, elt=c) for n in (1, 2)
+    )
+    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+        count = two.get(f"tp_{kind}", (0, 0))[0] - one.get(f"tp_{kind}", (0, 0))[0]
+        payload = two.get(f"tp_{kind}", (0, 0))[1] - one.get(f"tp_{kind}", (0, 0))[1]
+        if count:
+            priced += hw.intra.seconds(kind, T, payload, count) + count * hw.tp_sync_s
+    return max(0.0, raw["tp_block_s"] - priced) * threads
 
 
 def _rms(x, w, eps=1e-5):
@@ -450,10 +530,18 @@ def _measure(cfg: JobConfig, device: torch.device, world: int, threads: int) -> 
         probes[("block", S, mode)] = lambda mode=mode: (
             1.0 / block_seconds(m, S, S, mode, dtype, device)
         )
+    probes[("block", 2 * S, "none")] = lambda: (
+        1.0 / block_seconds(m, 2 * S, S, "none", dtype, device)
+    )
     solo = None  # a one-rank mesh per process, for FSDP as the trainer applies it
     if dist.is_initialized():
         solo = init_device_mesh(device.type, (world, 1), mesh_dim_names=("ranks", "solo"))
         solo = solo["solo"]
+    if dist.is_initialized() and world > 1 and m.n_heads % world == 0 and S % world == 0:
+        tp_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
+        probes[("tp_block", S, world)] = lambda: (
+            1.0 / tp_block_seconds(m, S, dtype, device, tp_mesh)
+        )
     probes[("dispatch", 0, 0)] = lambda: 1.0 / seconds_per_op(m, device, solo)
     n_params = max(4096, min(4_000_000, m.num_params() // max(1, world)))
     probes[("optimizer", 0, 0)] = lambda: 1.0 / optimizer_seconds_per_param(n_params, device)
@@ -461,7 +549,7 @@ def _measure(cfg: JobConfig, device: torch.device, world: int, threads: int) -> 
     for _ in range(rounds):
         for key, probe in probes.items():
             together()
-            per_key = 1 if key[0] in ("block", "dispatch") else per
+            per_key = 1 if key[0] in ("block", "tp_block", "dispatch") else per
             found.setdefault(key, []).append(probe() / per_key)
     rate = {key: statistics.median(values) for key, values in found.items()}
     res["matmul_table"] = [[n, tp, r] for (k, n, tp), r in rate.items() if k == "matmul"]
@@ -469,7 +557,13 @@ def _measure(cfg: JobConfig, device: torch.device, world: int, threads: int) -> 
     res["elementwise_table"] = [[n, r] for (k, n, _), r in rate.items() if k == "elementwise"]
     res["optimizer_s_per_param"] = 1.0 / rate[("optimizer", 0, 0)]
     res["op_overhead_s"] = 1.0 / rate[("dispatch", 0, 0)]
-    res["block_s"] = {mode: 1.0 / r for (k, _, mode), r in rate.items() if k == "block"}
+    res["block_s"] = {mode: 1.0 / r for (k, n, mode), r in rate.items() if k == "block" and n == S}
+    res["block_none_s"] = [
+        [n, 1.0 / r] for (k, n, mode), r in rate.items() if k == "block" and mode == "none"
+    ]
+    for (k, _, tp), r in rate.items():
+        if k == "tp_block":
+            res["tp_block_s"], res["tp_block_tp"] = 1.0 / r, tp
     res["block_tokens"], res["seq_len"] = S, S
     res["rounds"] = rounds
     res["compute_s"] = time.perf_counter() - started
@@ -640,11 +734,23 @@ def profile_from(raw: dict, cfg: JobConfig, device: str, base: Hardware | None) 
             "measured: one block's forward + backward under each checkpointing mode, less none "
             "and less the recompute the model prices at this profile's rates"
         )
+    hw.block_residual_s = block_residual(raw, cfg.model, hw)
+    if hw.block_residual_s:
+        hw.sources["block_residual_s"] = (
+            "measured: one block's forward + backward (tp 1, no checkpointing) at one and two "
+            "samples, less what the model prices for it at this profile's rates and op cost"
+        )
     if "tp_sync_s" in raw:
         hw.tp_sync_s = raw["tp_sync_s"]
         hw.sources["tp_sync_s"] = (
             f"measured with {raw['procs']} processes: an all-gather of a sequence shard after a "
             "GEMM, over the two apart (median of interleaved calls)"
+        )
+    hw.tp_block_overhead_s = tp_block_overhead(raw, cfg.model, hw)
+    if "tp_block_s" in raw:
+        hw.sources["tp_block_overhead_s"] = (
+            f"measured with {raw['procs']} processes: one block sharded by the trainer's tp plan "
+            f"over tp={raw['tp_block_tp']} (median call), less what the model prices for it"
         )
     hw.check("calibrated profile")
     return hw

@@ -86,6 +86,15 @@ class Hardware:
     # Per block and micro batch, per checkpointing mode: what it costs beyond the recompute the
     # model prices (calibrated; on CPU the per-op overhead of checkpointing's dispatch modes).
     checkpoint_overhead_s: dict[str, float] = field(default_factory=dict)
+    # Per block and micro batch (tp 1, no checkpointing): what one block's measured forward +
+    # backward takes beyond the matmuls, attention, elementwise traffic and ops the model
+    # prices for it, as {"fixed": s, "per_token": s} (calibrated at one and two samples; the
+    # per-token part splits over tp). Empty: none.
+    block_residual_s: dict[str, float] = field(default_factory=dict)
+    # Per block and micro batch when tp > 1: what one block sharded by the trainer's plan takes
+    # beyond all of the above and its priced tp collectives (calibrated at the processes'
+    # tp; the wrappers, autograd functions and waits of the parallel forward). 0: none.
+    tp_block_overhead_s: float = 0.0
     # CPU seconds per dispatched aten op (Python, dispatcher, autograd, hooks), whatever its size;
     # `planner/ops.py` counts the ops of a step. CPU: per core, added to compute (the same
     # thread runs both); GPU: the host runs ahead of the kernels, so only what exceeds the

@@ -14,10 +14,14 @@ Priced per rank and per optimizer step (b = micro batch, S = sequence, N = b*S t
               + elementwise bytes / achieved memory bandwidth
               + checkpointing's calibrated overhead per block and micro batch (CPU: the
                 per-op Python of its dispatch modes, which FLOPs and bytes do not see)
+              + the calibrated block residual per block and micro batch: what a whole block
+                measured beyond these pieces (fixed + per token / tp)
     tp comm   = sum over tp collectives of latency + ring factor x bytes / intra-node bandwidth
                 + the calibrated wait for the other ranks (`tp_sync_s`, CPU), all on the
                 critical path (no async TP); full checkpointing repeats each
                 block's two sequence gathers and its attention reduce-scatter
+                + the calibrated cost of a tp-sharded block's parallel forward beyond all
+                that, per block and micro batch (`tp_block_overhead_s`)
     FSDP comm = the all-gathers (forward, backward re-gather) and reduce-scatters of
                 `analytic_step`, plus HSDP's all-reduce of the gradient shards across replicas,
                 each over the link its group spans (NVLink when the group lies inside a node,
@@ -337,6 +341,8 @@ def predict_valid(
         tp_s += tp_link.seconds(kind, T, payload, count) + count * hw.tp_sync_s
         tp_bytes += payload
         tp_count += count
+    if T > 1:  # calibrated: the parallel forward's own cost per block beyond the above
+        tp_s += hw.tp_block_overhead_s * m.n_layers * n_micro
     tp_s *= comm_scale
 
     defer = p.defer_grad_sync and n_micro > 1
@@ -371,6 +377,10 @@ def predict_valid(
     # Calibrated: what checkpointing costs beyond its recompute (one core's seconds per block).
     overhead = hw.checkpoint_overhead_s.get(p.activation_checkpoint, 0.0)
     checkpoint_s = overhead * m.n_layers * n_micro / min(1.0, share)
+    # Calibrated: what a whole block takes beyond the pieces above (fixed + per token).
+    residual = hw.block_residual_s
+    per_block = residual.get("fixed", 0.0) + residual.get("per_token", 0.0) * N / T
+    block_residual_s = per_block * m.n_layers * n_micro / min(1.0, share)
     # Per-op CPU cost of eager PyTorch: ops dispatched in the step x seconds per op. CPU: the
     # rank's thread runs it between kernels (a rank with less than a core waits for one); GPU:
     # the host runs ahead, so only what exceeds the kernels' time is exposed.
@@ -385,7 +395,7 @@ def predict_valid(
     )
     n_ops = sum(op_counts.values())
     dispatch_total = n_ops * hw.op_overhead_s / (min(1.0, share) if hw.host_cores else 1.0)
-    kernels_s = matmul_s + attention_s + elementwise_s + checkpoint_s
+    kernels_s = matmul_s + attention_s + elementwise_s + checkpoint_s + block_residual_s
     if hw.host_cores:
         dispatch_s = dispatch_total
     else:
@@ -461,6 +471,7 @@ def predict_valid(
         "elementwise_s": elementwise_s,
         "recompute_s": recompute_s,
         "checkpoint_overhead_s": checkpoint_s,
+        "block_residual_s": block_residual_s,
         "dispatch_s": dispatch_s,  # exposed per-op CPU cost, part of compute_s
         "dispatch_total_s": dispatch_total,
         "ops_per_step": n_ops,

@@ -20,6 +20,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor.parallel import parallelize_module
 
 # Private module, no public home yet (torch 2.13): TorchDispatchMode is what FlopCounterMode and
 # CommDebugMode are built on; move when torch exports it publicly.
@@ -29,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from hybrid2d.config import ModelConfig
 from hybrid2d.models.llama import DecoderLayer, Llama
 from hybrid2d.parallel.activation_checkpoint import selective_context
+from hybrid2d.parallel.tensor_parallel import block_tp_plan
 
 # A sequence-parallel collective (`sequence_comm._gather` / `_reduce_scatter`): the input's
 # contiguous copy, the collective, its wait, and the re-layout of the result (view, movedim /
@@ -96,14 +98,20 @@ def _block_ops(structure: tuple, mode: str) -> int:
     return counter.count
 
 
-def block_step(m: ModelConfig, batch: int, seq: int, mode: str, dtype, device):
-    """One whole block (tp 1, seeded) and a function running its forward + backward under
+def block_step(m: ModelConfig, batch: int, seq: int, mode: str, dtype, device, tp_mesh=None):
+    """One whole block (seeded) and a function running its forward + backward under
     checkpointing `mode` the trainer's way (`torch.utils.checkpoint`, non-reentrant, selective
-    with the trainer's policy): what calibration times and what the op count counts."""
+    with the trainer's policy): what calibration times and what the op count counts. With a
+    `tp_mesh` of more than one rank the block is sharded by the trainer's tensor-parallel plan
+    and takes this rank's sequence shard, as in a step."""
     torch.manual_seed(0)
     layer = DecoderLayer(m).to(device=device, dtype=dtype)
+    tp = 1
+    if tp_mesh is not None and tp_mesh.size() > 1:
+        tp = tp_mesh.size()
+        parallelize_module(layer, tp_mesh, block_tp_plan())
     cos, sin = Llama(dataclasses.replace(m, n_layers=0)).to(device).rope(seq, dtype)
-    x = torch.randn(batch, seq, m.dim, dtype=dtype, device=device, requires_grad=True)
+    x = torch.randn(batch, seq // tp, m.dim, dtype=dtype, device=device, requires_grad=True)
     grad = torch.randn_like(x)
 
     def run():
