@@ -180,11 +180,43 @@ def test_tp_block_overhead_is_paid_only_with_tp():
         assert predict(job, MeshShape(1, world, 1), hw, world).step_s == flat.step_s
 
 
+def test_fsdp_block_overhead_is_paid_only_with_fsdp_and_never_hidden():
+    """The calibrated cost of a block as an FSDP2 unit adds overhead x layers x micro batches to
+    exposed FSDP comm (x ranks / cores when ranks outnumber cores), on GPU profiles too (the
+    host runs it), and nothing without dp_shard."""
+    for name, world, cores, mesh in (
+        ("cpu", 2, 2, MeshShape(1, 2, 1)),
+        ("cpu", 4, 2, MeshShape(1, 2, 2)),
+        ("h100", 8, None, MeshShape(1, 8, 1)),
+    ):
+        job = with_settings(debug_job(global_batch=8), "none", 1)
+        hw = hardware.get(name)
+        hw.host_cores = cores
+        base = predict(job, mesh, hw, world)
+        hw.fsdp_block_overhead_s = 4e-3
+        paid = predict(job, mesh, hw, world)
+        n_micro = job.train.global_batch // mesh.dp
+        extra = 4e-3 * job.model.n_layers * n_micro * (max(1, world / cores) if cores else 1)
+        assert paid.fsdp_comm_s - base.fsdp_comm_s == pytest.approx(extra)
+        assert paid.details["fsdp_hooks_s"] == pytest.approx(extra)
+    hw = hardware.get("cpu")
+    hw.host_cores = 2
+    job = with_settings(debug_job(global_batch=8), "none", 1)
+    flat = predict(job, MeshShape(1, 1, 2), hw, 2)
+    hw.fsdp_block_overhead_s = 4e-3
+    assert predict(job, MeshShape(1, 1, 2), hw, 2).step_s == flat.step_s
+
+
 def test_calibrated_residuals_are_the_measurement_less_the_priced_block():
     """`block_residual` recovers a residual put into the block timings on top of what the model
     prices (fixed + per token, from one and two samples); `tp_block_overhead` what a tp block
     took beyond its share of the work, the residual and its priced collectives."""
-    from hybrid2d.planner.calibrate import block_residual, priced_block, tp_block_overhead
+    from hybrid2d.planner.calibrate import (
+        block_residual,
+        fsdp_block_overhead,
+        priced_block,
+        tp_block_overhead,
+    )
 
     m = debug_job().model
     hw = hardware.get("cpu")
@@ -208,6 +240,14 @@ def test_calibrated_residuals_are_the_measurement_less_the_priced_block():
         priced += hw.intra.seconds(kind, 2, payload, count) + count * hw.tp_sync_s
     raw.update(tp_block_s=priced + 0.007, tp_block_tp=2)
     assert tp_block_overhead(raw, m, hw) == pytest.approx(0.007)
+    gathered, reduced = unit_bytes(m, 2, 1, 4)[0], unit_bytes(m, 2, 1, 4)[0]
+    priced = priced_block(m, hw, S, S, 1, 1) + 0.004 + 2e-6 * S
+    priced += hw.intra.seconds("all_gather", 2, 2 * gathered, 2)
+    priced += hw.intra.seconds("reduce_scatter", 2, reduced, 1)
+    priced += 2 * (2 * gathered + reduced) / hw.elementwise_bandwidth(S)
+    priced += 2 * (5 + 2 * 9) * hw.op_overhead_s + (5 + 2 * 9) * hw.op_overhead_s
+    raw.update(fsdp_block_s=priced + 0.005, fsdp_block_dp=2)
+    assert fsdp_block_overhead(raw, m, hw) == pytest.approx(0.005)
     assert block_residual({"threads": 1}, m, hw) == {}
 
 

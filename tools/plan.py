@@ -334,6 +334,8 @@ def describe_profile(hw: hwlib.Hardware, raw: dict | None = None) -> str:
         lines.append(f"  tp collective after compute: +{hw.tp_sync_s * 1e6:.0f} us wait each")
     if hw.tp_block_overhead_s:
         lines.append(f"  a tp-sharded block beyond that: {hw.tp_block_overhead_s * 1e3:.2f} ms")
+    if hw.fsdp_block_overhead_s:
+        lines.append(f"  an FSDP unit beyond that: {hw.fsdp_block_overhead_s * 1e3:.2f} ms")
     if hw.op_overhead_s:
         lines.append(f"  per dispatched op: {hw.op_overhead_s * 1e6:.1f} us of CPU")
     return "\n".join(lines)

@@ -18,7 +18,8 @@ What the cost model needs, each measured the way a training step meets it:
 - the wait a tp collective adds when it follows compute, as in a step (each rank must be
   scheduled and done computing), over the collective back to back plus the compute alone;
 - one block sharded by the trainer's tp plan over the measuring processes: what its parallel
-  forward costs beyond its share of the work, the residual and its priced collectives;
+  forward costs beyond its share of the work, the residual and its priced collectives; and
+  one block as an FSDP2 unit over them: what FSDP costs beyond its priced collectives;
 - collectives (all-gather, reduce-scatter, all-reduce) at the sizes a step uses, inside a node
   (CPU: the process group the trainer creates, or the shared-memory transport; CUDA: NCCL between
   two GPUs when there are two) and, on CPU, across nodes (gloo over TCP): latency and bandwidth
@@ -167,11 +168,14 @@ def block_seconds(m: ModelConfig, tokens: int, seq: int, mode: str, dtype, devic
     return timed(ops.block_step(m, max(1, tokens // seq), seq, mode, dtype, device), device)
 
 
-def tp_block_seconds(m: ModelConfig, seq: int, dtype, device, tp_mesh, reps: int = 9) -> float:
+def sharded_block_seconds(
+    m: ModelConfig, seq: int, dtype, device, tp_mesh=None, dp_mesh=None, reps: int = 9
+) -> float:
     """Forward + backward of one block sharded over `tp_mesh` by the trainer's plan (one sample,
-    this rank's sequence shard): the median of `reps` calls, every rank making the same calls,
-    since the waits for the other ranks are part of what it measures, as in a step."""
-    run = ops.block_step(m, 1, seq, "none", dtype, device, tp_mesh)
+    this rank's sequence shard) or an FSDP2 unit over `dp_mesh` (one sample per rank): the
+    median of `reps` calls, every rank making the same calls, since the waits for the other
+    ranks are part of what it measures, as in a step."""
+    run = ops.block_step(m, 1, seq, "none", dtype, device, tp_mesh, dp_mesh)
     run()
     _sync(device)
     dist.barrier()
@@ -291,6 +295,27 @@ def tp_block_overhead(raw: dict, m: ModelConfig, hw: Hardware) -> float:
         if count:
             priced += hw.intra.seconds(kind, T, payload, count) + count * hw.tp_sync_s
     return max(0.0, raw["tp_block_s"] - priced) * threads
+
+
+def fsdp_block_overhead(raw: dict, m: ModelConfig, hw: Hardware) -> float:
+    """What one block as an FSDP2 unit over the measuring processes takes beyond what the model
+    prices for it (the block, its residual, its two all-gathers and its reduce-scatter over the
+    link, their copies and ops), per core: FSDP2's hooks, waits and allocations."""
+    if "fsdp_block_s" not in raw:
+        return 0.0
+    W, S, threads = raw["fsdp_block_dp"], raw["seq_len"], raw["threads"]
+    c = 4 if hw.target == "cpu" else 2
+    residual = hw.block_residual_s
+    priced = priced_block(m, hw, S, S, 1, threads)
+    priced += (residual.get("fixed", 0.0) + residual.get("per_token", 0.0) * S) / threads
+    gathered, _ = cost.unit_bytes(m, W, 1, c)
+    reduced, _ = cost.unit_bytes(m, W, 1, 4)
+    priced += hw.intra.seconds("all_gather", W, 2 * gathered, 2)
+    priced += hw.intra.seconds("reduce_scatter", W, reduced, 1)
+    priced += 2 * (2 * gathered + reduced) / (hw.elementwise_bandwidth(S) * threads)
+    fsdp_ops = ops.step_ops(m, "none", 1, 0, 2, 1, 0)["fsdp"]
+    priced += fsdp_ops * hw.op_overhead_s
+    return max(0.0, raw["fsdp_block_s"] - priced) * threads
 
 
 def _rms(x, w, eps=1e-5):
@@ -540,7 +565,12 @@ def _measure(cfg: JobConfig, device: torch.device, world: int, threads: int) -> 
     if dist.is_initialized() and world > 1 and m.n_heads % world == 0 and S % world == 0:
         tp_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
         probes[("tp_block", S, world)] = lambda: (
-            1.0 / tp_block_seconds(m, S, dtype, device, tp_mesh)
+            1.0 / sharded_block_seconds(m, S, dtype, device, tp_mesh=tp_mesh)
+        )
+    if dist.is_initialized() and world > 1:
+        dp_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+        probes[("fsdp_block", S, world)] = lambda: (
+            1.0 / sharded_block_seconds(m, S, dtype, device, dp_mesh=dp_mesh)
         )
     probes[("dispatch", 0, 0)] = lambda: 1.0 / seconds_per_op(m, device, solo)
     n_params = max(4096, min(4_000_000, m.num_params() // max(1, world)))
@@ -549,7 +579,7 @@ def _measure(cfg: JobConfig, device: torch.device, world: int, threads: int) -> 
     for _ in range(rounds):
         for key, probe in probes.items():
             together()
-            per_key = 1 if key[0] in ("block", "tp_block", "dispatch") else per
+            per_key = 1 if key[0] in ("block", "tp_block", "fsdp_block", "dispatch") else per
             found.setdefault(key, []).append(probe() / per_key)
     rate = {key: statistics.median(values) for key, values in found.items()}
     res["matmul_table"] = [[n, tp, r] for (k, n, tp), r in rate.items() if k == "matmul"]
@@ -564,6 +594,8 @@ def _measure(cfg: JobConfig, device: torch.device, world: int, threads: int) -> 
     for (k, _, tp), r in rate.items():
         if k == "tp_block":
             res["tp_block_s"], res["tp_block_tp"] = 1.0 / r, tp
+        if k == "fsdp_block":
+            res["fsdp_block_s"], res["fsdp_block_dp"] = 1.0 / r, tp
     res["block_tokens"], res["seq_len"] = S, S
     res["rounds"] = rounds
     res["compute_s"] = time.perf_counter() - started
@@ -751,6 +783,12 @@ def profile_from(raw: dict, cfg: JobConfig, device: str, base: Hardware | None) 
         hw.sources["tp_block_overhead_s"] = (
             f"measured with {raw['procs']} processes: one block sharded by the trainer's tp plan "
             f"over tp={raw['tp_block_tp']} (median call), less what the model prices for it"
+        )
+    hw.fsdp_block_overhead_s = fsdp_block_overhead(raw, cfg.model, hw)
+    if "fsdp_block_s" in raw:
+        hw.sources["fsdp_block_overhead_s"] = (
+            f"measured with {raw['procs']} processes: one block as an FSDP2 unit over "
+            f"{raw['fsdp_block_dp']} ranks (median call), less what the model prices for it"
         )
     hw.check("calibrated profile")
     return hw

@@ -95,6 +95,10 @@ class Hardware:
     # beyond all of the above and its priced tp collectives (calibrated at the processes'
     # tp; the wrappers, autograd functions and waits of the parallel forward). 0: none.
     tp_block_overhead_s: float = 0.0
+    # Per block and micro batch when dp_shard > 1: what one block as an FSDP2 unit takes beyond
+    # the block and its priced all-gathers, reduce-scatter, copies and ops (calibrated; FSDP2's
+    # hooks, waits and allocations). 0: none.
+    fsdp_block_overhead_s: float = 0.0
     # CPU seconds per dispatched aten op (Python, dispatcher, autograd, hooks), whatever its size;
     # `planner/ops.py` counts the ops of a step. CPU: per core, added to compute (the same
     # thread runs both); GPU: the host runs ahead of the kernels, so only what exceeds the

@@ -28,6 +28,8 @@ Priced per rank and per optimizer step (b = micro batch, S = sequence, N = b*S t
                 else the network); exposed is what compute does not hide: the root's and first
                 block's gathers and the root's reduce-scatter, and per block whatever exceeds
                 that block's compute (all of it on CPU, where copies take the cores compute uses)
+                + the calibrated cost of a block as an FSDP2 unit beyond its priced collectives,
+                per block and micro batch (`fsdp_block_overhead_s`; the host runs it)
     optimizer = AdamW (or SGD) over the rank's parameter shard plus clipping, memory-bound
 
 Recompute, as counted in a real step (a dispatch counter on 1x2 and 2x1, docs/planner.md): full
@@ -367,6 +369,9 @@ def predict_valid(
     ag_s = shard_link.seconds("all_gather", Sh, ag_bytes, ag_count) * comm_scale
     rs_s = shard_link.seconds("reduce_scatter", Sh, rs_bytes, rs_count) * comm_scale
     ar_s = rep_link.seconds("all_reduce", R, ar_bytes, ar_count) * comm_scale
+    # Calibrated: what a block as an FSDP2 unit costs beyond its priced collectives; the host
+    # runs it, so compute does not hide it.
+    fsdp_hooks_s = hw.fsdp_block_overhead_s * m.n_layers * n_micro * comm_scale if Sh > 1 else 0.0
     fsdp_total = ag_s + rs_s + ar_s
     # FSDP's copy-in / copy-out of every gathered and reduced buffer (memory traffic).
     elem_bytes = elem_per_micro * n_micro + 2 * (ag_bytes + rs_bytes)
@@ -441,6 +446,7 @@ def predict_valid(
             backward = L * max(0.0, regather + grad - b_block)
             exposed += forward + backward + ((r_root + a_root) if sync else 0.0)
         fsdp_exposed = min(exposed, fsdp_total)
+    fsdp_exposed += fsdp_hooks_s
 
     # ---- optimizer ----------------------------------------------------------------------------
     n_params = local_params(m, mesh)
@@ -480,6 +486,7 @@ def predict_valid(
         "fsdp_reduce_scatter_s": rs_s,
         "hsdp_all_reduce_s": ar_s,
         "fsdp_total_s": fsdp_total,
+        "fsdp_hooks_s": fsdp_hooks_s,
         "flops_per_token": f["model"],
         "model_flops_per_rank": f["model"] * rank_tokens,
         "recompute_flops_per_rank": (f["recompute_matmul"] + f["recompute_attention"])

@@ -20,6 +20,8 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 # Private module, no public home yet (torch 2.13): TorchDispatchMode is what FlopCounterMode and
@@ -98,18 +100,25 @@ def _block_ops(structure: tuple, mode: str) -> int:
     return counter.count
 
 
-def block_step(m: ModelConfig, batch: int, seq: int, mode: str, dtype, device, tp_mesh=None):
+def block_step(
+    m: ModelConfig, batch: int, seq: int, mode: str, dtype, device, tp_mesh=None, dp_mesh=None
+):
     """One whole block (seeded) and a function running its forward + backward under
     checkpointing `mode` the trainer's way (`torch.utils.checkpoint`, non-reentrant, selective
     with the trainer's policy): what calibration times and what the op count counts. With a
     `tp_mesh` of more than one rank the block is sharded by the trainer's tensor-parallel plan
-    and takes this rank's sequence shard, as in a step."""
+    and takes this rank's sequence shard, as in a step; with a `dp_mesh` it is an FSDP2 unit
+    over it, resharded after forward, inside a root without parameters (as every block but the
+    last in the trainer)."""
     torch.manual_seed(0)
     layer = DecoderLayer(m).to(device=device, dtype=dtype)
     tp = 1
     if tp_mesh is not None and tp_mesh.size() > 1:
         tp = tp_mesh.size()
         parallelize_module(layer, tp_mesh, block_tp_plan())
+    if dp_mesh is not None:
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=True)
+        layer = fully_shard(_Root(layer), mesh=dp_mesh)
     cos, sin = Llama(dataclasses.replace(m, n_layers=0)).to(device).rope(seq, dtype)
     x = torch.randn(batch, seq // tp, m.dim, dtype=dtype, device=device, requires_grad=True)
     grad = torch.randn_like(x)
@@ -123,6 +132,17 @@ def block_step(m: ModelConfig, batch: int, seq: int, mode: str, dtype, device, t
         y.backward(grad)
 
     return run
+
+
+class _Root(nn.Module):
+    """A parameterless root, so that the block under it is an inner FSDP unit."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args):
+        return self.block(*args)
 
 
 @functools.lru_cache(maxsize=64)
