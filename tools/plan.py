@@ -88,7 +88,9 @@ def parser() -> OneLineParser:
         help="another setting of the recipe, e.g. parallel.reshard_after_forward=false",
     )
     p.add_argument("--top", type=int, default=10, help="rows of the table (10)")
-    p.add_argument("--json", help="write every candidate as a JSON list here")
+    p.add_argument(
+        "--json", help="write every candidate as a JSON list here (--validate: every measured row)"
+    )
     p.add_argument("--emit-accelerate-config", metavar="FILE", help="write the best plan's config")
     p.add_argument("--show-rejected", action="store_true", help="list rejected meshes and why")
     p.add_argument("--calibrate", action="store_true", help="measure this machine")
@@ -509,6 +511,9 @@ def measure_validation(args, hw) -> str:
                     flush=True,
                 )
     took = time.time() - started
+    if args.json:  # the raw rows, to score a changed model against later without re-measuring
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
     return format_validation(args, hw, rows, took, calibrated_here)
 
 
