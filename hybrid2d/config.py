@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import functools
 import io
 import math
 import typing
@@ -296,7 +297,7 @@ class JobConfig:
         Values of the wrong type are a ConfigError too (ints are accepted for floats).
         """
         cfg = cls()
-        hints = typing.get_type_hints(cls)
+        hints = type_hints(cls)
         for section, values in d.items():
             if section not in hints:
                 raise ConfigError(
@@ -311,7 +312,7 @@ class JobConfig:
                     f"section {section!r} of a saved config is {type(values).__name__} "
                     f"{values!r}; expected a mapping of its settings"
                 )
-            kinds = typing.get_type_hints(type(current))
+            kinds = type_hints(type(current))
             for k, v in values.items():
                 key = f"{section}.{k}"
                 if k in kinds:
@@ -349,7 +350,7 @@ class JobConfig:
     def check_settings(self) -> None:
         """Every setting on its own: its type, its choices, and its range (finite numbers)."""
         for name, (owner, f) in _leaf_fields(self).items():
-            value = _typed(name, typing.get_type_hints(type(owner))[f.name], getattr(owner, f.name))
+            value = _typed(name, type_hints(type(owner))[f.name], getattr(owner, f.name))
             check_range(name, value)
         m = self.model
         if m.rope_scaling_factor > 0 and m.rope_high_freq_factor <= m.rope_low_freq_factor:
@@ -470,8 +471,16 @@ def setting_names(cfg: JobConfig | None = None) -> list[str]:
     return list(_leaf_fields(cfg or JobConfig()))
 
 
+@functools.cache
+def type_hints(cls: type, extras: bool = False) -> dict:
+    """`typing.get_type_hints` of a settings class, evaluated once: the annotations are strings
+    (`from __future__ import annotations`), and evaluating them for every field of every
+    validation was most of the planner's time."""
+    return typing.get_type_hints(cls, include_extras=extras)
+
+
 def _range(owner, name: str) -> Range | None:
-    hint = typing.get_type_hints(type(owner), include_extras=True)[name]
+    hint = type_hints(type(owner), True)[name]
     return next((m for m in getattr(hint, "__metadata__", ()) if isinstance(m, Range)), None)
 
 
