@@ -180,6 +180,36 @@ def test_tp_block_overhead_is_paid_only_with_tp():
         assert predict(job, MeshShape(1, world, 1), hw, world).step_s == flat.step_s
 
 
+def test_crowded_tp_block_overhead_replaces_the_scaled_one_only_on_a_crowded_host():
+    """With more ranks than cores, a tp the crowded calibration measured pays its figure per
+    block and micro batch (in proportion beyond the ranks it was measured with) instead of the
+    uncrowded overhead x ranks / cores; a host with a core per rank, or a tp not measured, is
+    priced as before."""
+    job = with_settings(debug_job(global_batch=8), "none", 1)
+    layers, n_micro = job.model.n_layers, job.train.global_batch // 2
+    for world, mesh, crowded, expected in (
+        (4, MeshShape(1, 2, 2), {"2": 0.02}, 0.02),
+        (8, MeshShape(1, 4, 2), {"2": 0.02}, 0.04),  # twice the 4 ranks it was measured with
+        (4, MeshShape(1, 2, 2), {"4": 0.02}, 4e-3 * 2),  # tp 2 not measured: scaled
+        (2, MeshShape(1, 1, 2), {"2": 0.02}, 4e-3),  # a core per rank: not crowded
+    ):
+        hw = hardware.get("cpu")
+        hw.host_cores, hw.tp_block_overhead_s = 2, 4e-3
+        base = predict(job, mesh, hw, world)
+        hw.crowded_tp_block_overhead_s, hw.crowded_ranks = crowded, 4
+        paid = predict(job, mesh, hw, world)
+        n_micro = job.train.global_batch // mesh.dp
+        uncrowded = 4e-3 * max(1, world / 2) * layers * n_micro
+        assert paid.tp_comm_s - base.tp_comm_s == pytest.approx(
+            expected * layers * n_micro - uncrowded
+        )
+    hw = hardware.get("h100")  # GPUs are never crowded
+    hw.crowded_tp_block_overhead_s, hw.crowded_ranks = {"2": 1.0}, 4
+    assert predict(job, MeshShape(1, 4, 2), hw, 8).step_s == pytest.approx(
+        predict(job, MeshShape(1, 4, 2), hardware.get("h100"), 8).step_s
+    )
+
+
 def test_fsdp_block_overhead_is_paid_only_with_fsdp_and_never_hidden():
     """The calibrated cost of a block as an FSDP2 unit adds overhead x layers x micro batches to
     exposed FSDP comm (x ranks / cores when ranks outnumber cores), on GPU profiles too (the
@@ -213,6 +243,7 @@ def test_calibrated_residuals_are_the_measurement_less_the_priced_block():
     took beyond its share of the work, the residual and its priced collectives."""
     from hybrid2d.planner.calibrate import (
         block_residual,
+        crowded_tp_block_overhead,
         fsdp_block_overhead,
         priced_block,
         tp_block_overhead,
@@ -249,6 +280,20 @@ def test_calibrated_residuals_are_the_measurement_less_the_priced_block():
     raw.update(fsdp_block_s=priced + 0.005, fsdp_block_dp=2)
     assert fsdp_block_overhead(raw, m, hw) == pytest.approx(0.005)
     assert block_residual({"threads": 1}, m, hw) == {}
+    # Crowded: 4 processes on the 2 cores, so every priced piece takes twice its time.
+    crowded = {"procs": 4, "threads": 1, "seq_len": S, "crowded_tp_block_s": []}
+    for tp, extra in ((2, 0.011), (4, 0.0)):
+        priced = priced_block(m, hw, S, S, tp, 1) + 0.004 + 2e-6 * S / tp
+        step = analytic_step(m, 1, tp, 1, S, 1, elt=4)
+        two = analytic_step(dataclasses.replace(m, n_layers=m.n_layers + 1), 1, tp, 1, S, 1, elt=4)
+        for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+            count = two[f"tp_{kind}"][0] - step[f"tp_{kind}"][0]
+            payload = two[f"tp_{kind}"][1] - step[f"tp_{kind}"][1]
+            priced += hw.intra.seconds(kind, tp, payload, count) + count * hw.tp_sync_s
+        crowded["crowded_tp_block_s"].append([tp, 2 * priced + extra - 0.001 * (tp == 4)])
+    found = crowded_tp_block_overhead(dict(raw, crowded=crowded), m, hw)
+    assert found == {"2": pytest.approx(0.011), "4": 0.0}  # never negative
+    assert crowded_tp_block_overhead(raw, m, hw) == {}
 
 
 def test_dispatch_is_ops_times_cost_per_op():
@@ -519,6 +564,8 @@ def test_calibrated_tables_interpolate_in_log_tokens():
         (["--validate", "--validate-only", "1x8 none mb1"], "'1x8 none mb1' is not a candidate"),
         (["--json", "/nonexistent/dir/plan.json"], "--json /nonexistent/dir/plan.json: folder"),
         (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+        (["--crowd", "64"], "--crowd is for --calibrate"),
+        (["--calibrate", "--out", "x.json", "--crowd", "1"], "--crowd 1: give more processes"),
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(argv, message, capsys):
@@ -691,6 +738,31 @@ def test_gpu_check_runs_on_cpu(tmp_path):
         assert result["estimated_peak_gib"] > 0
     assert "MFU" in proc.stdout and "planned" in proc.stdout
     assert os.path.exists(tmp_path / "check" / "hardware.json")
+
+
+@pytest.mark.slow
+def test_crowded_calibration_times_every_tp_group_at_once(tmp_path):
+    """The crowded launch (4 processes on this 2-core host, through the trainer's process
+    group) times a tp-sharded block at each tp that divides the processes and the heads, and
+    the profile keeps what that took beyond the model's pricing, never negative."""
+    from hybrid2d.planner.calibrate import _spawn, crowded_tp_block_overhead
+
+    plan_tool = load_tool("plan")
+    model = ModelConfig(dim=64, n_layers=1, n_heads=8, n_kv_heads=4, ffn_dim=128, vocab_size=256)
+    job = JobConfig(recipe="tiny", model=model)
+    job.train.seq_len = 32
+    out = tmp_path / "crowded.json"
+    init, shutdown = plan_tool.TRAINER_PROCESS_GROUP
+    args = {"job": dataclasses.asdict(job), "device": "cpu", "out": str(out), "crowded": True}
+    _spawn(4, dict(args, init=init, shutdown=shutdown), timeout=300)
+    crowded = json.loads(out.read_text())
+    assert crowded["procs"] == 4 and crowded["seq_len"] == 32
+    assert [tp for tp, _ in crowded["crowded_tp_block_s"]] == [2, 4]
+    assert all(0 < seconds < 60 for _, seconds in crowded["crowded_tp_block_s"])
+    hw = hardware.get("cpu")
+    hw.host_cores = 2
+    found = crowded_tp_block_overhead({"crowded": crowded}, model, hw)
+    assert set(found) == {"2", "4"} and all(v >= 0 for v in found.values())
 
 
 def test_validation_model_is_the_benchmarks_default():

@@ -96,6 +96,12 @@ def parser() -> OneLineParser:
     p.add_argument("--calibrate", action="store_true", help="measure this machine")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="for --calibrate")
     p.add_argument("--procs", type=int, help="--calibrate processes (cpu: 2; cuda: GPUs, <= 2)")
+    p.add_argument(
+        "--crowd",
+        type=int,
+        help="--calibrate --device cpu: also measure tp blocks with this many processes, more "
+        "than the cores (as when 4 ranks share 2 cores; --validate: its largest world size)",
+    )
     p.add_argument("--out", help="where --calibrate (and --validate) write the profile (JSON)")
     p.add_argument("--validate", action="store_true", help="predicted vs measured on this CPU")
     p.add_argument("--validate-ranks", default="2,4", help="world sizes to measure (2,4)")
@@ -171,6 +177,15 @@ def check(args) -> tuple[JobConfig, hwlib.Hardware]:
         raise ConfigError(f"{names} are separate actions; give one")
     positive(args, "nodes", "gpus-per-node", "top", "global-batch", "seq-len", "procs")
     positive(args, "steps", "repeats")
+    if args.crowd is not None:
+        cores = os.cpu_count() or 1
+        if not args.calibrate:
+            raise ConfigError("--crowd is for --calibrate (--validate sets it itself)")
+        if args.device != "cpu" or args.crowd <= cores:
+            raise ConfigError(
+                f"--crowd {args.crowd}: give more processes than this host's {cores} cores, "
+                "with --device cpu"
+            )
     if not 0 <= args.headroom < 1:
         raise ConfigError(f"--headroom {args.headroom} must be in [0, 1)")
     if args.calibrate and not args.out:
@@ -293,7 +308,9 @@ def run_calibrate(args, cfg: JobConfig, base) -> int:
     from hybrid2d.planner.calibrate import calibrate
 
     started = time.time()
-    hw, raw = calibrate(cfg, args.device, base, args.procs, *TRAINER_PROCESS_GROUP)
+    hw, raw = calibrate(
+        cfg, args.device, base, args.procs, *TRAINER_PROCESS_GROUP, crowd=args.crowd
+    )
     hw.save(args.out)
     print(
         f"calibrated in {time.time() - started:.0f} s for {cfg.recipe}'s shapes; wrote {args.out}"
@@ -336,6 +353,11 @@ def describe_profile(hw: hwlib.Hardware, raw: dict | None = None) -> str:
         lines.append(f"  tp collective after compute: +{hw.tp_sync_s * 1e6:.0f} us wait each")
     if hw.tp_block_overhead_s:
         lines.append(f"  a tp-sharded block beyond that: {hw.tp_block_overhead_s * 1e3:.2f} ms")
+    if hw.crowded_tp_block_overhead_s:
+        parts = ", ".join(
+            f"tp {k} {v * 1e3:.2f} ms" for k, v in hw.crowded_tp_block_overhead_s.items()
+        )
+        lines.append(f"  ... with {hw.crowded_ranks} processes on this host's cores: {parts}")
     if hw.fsdp_block_overhead_s:
         lines.append(f"  an FSDP unit beyond that: {hw.fsdp_block_overhead_s * 1e3:.2f} ms")
     if hw.op_overhead_s:
@@ -464,7 +486,9 @@ def measure_validation(args, hw) -> str:
     calibrated_here = hw is None
     if hw is None:
         print("calibrating this machine for the validation model ...", flush=True)
-        hw, raw = calibrate(base, "cpu", None, None, *TRAINER_PROCESS_GROUP)
+        crowd = max(args.ranks)  # the largest world measured, when it outnumbers the cores
+        crowd = crowd if crowd > (os.cpu_count() or 1) else None
+        hw, raw = calibrate(base, "cpu", None, None, *TRAINER_PROCESS_GROUP, crowd=crowd)
         print(describe_profile(hw, raw), flush=True)
         if args.out:
             hw.save(args.out)

@@ -286,15 +286,44 @@ def tp_block_overhead(raw: dict, m: ModelConfig, hw: Hardware) -> float:
     residual = hw.block_residual_s
     priced = priced_block(m, hw, S, S, T, threads)
     priced += (residual.get("fixed", 0.0) + residual.get("per_token", 0.0) * S / T) / threads
+    priced += block_tp_collectives(m, hw, T, S, c)
+    return max(0.0, raw["tp_block_s"] - priced) * threads
+
+
+def block_tp_collectives(m: ModelConfig, hw: Hardware, T: int, seq: int, c: int) -> float:
+    """Seconds the model prices for one block's tp collectives at one sample (the comm
+    report's counts and bytes of one layer over the intra-node link, plus `tp_sync_s` each)."""
     one, two = (
-        analytic_step(dataclasses.replace(m, n_layers=n), 1, T, 1, S, 1, elt=c) for n in (1, 2)
+        analytic_step(dataclasses.replace(m, n_layers=n), 1, T, 1, seq, 1, elt=c) for n in (1, 2)
     )
+    seconds = 0.0
     for kind in ("all_gather", "reduce_scatter", "all_reduce"):
         count = two.get(f"tp_{kind}", (0, 0))[0] - one.get(f"tp_{kind}", (0, 0))[0]
         payload = two.get(f"tp_{kind}", (0, 0))[1] - one.get(f"tp_{kind}", (0, 0))[1]
         if count:
-            priced += hw.intra.seconds(kind, T, payload, count) + count * hw.tp_sync_s
-    return max(0.0, raw["tp_block_s"] - priced) * threads
+            seconds += hw.intra.seconds(kind, T, payload, count) + count * hw.tp_sync_s
+    return seconds
+
+
+def crowded_tp_block_overhead(raw: dict, m: ModelConfig, hw: Hardware) -> dict[str, float]:
+    """Per tp, what one tp-sharded block took with `raw['crowded']['procs']` processes on this
+    host beyond what the model prices for it at that crowding (the block, its residual and
+    `tp_sync_s` waits at cores / processes of a core each, its collectives x processes / cores,
+    as `model.predict` prices them): seconds as measured, not per core."""
+    crowded = raw.get("crowded")
+    if not crowded:
+        return {}
+    W, S = crowded["procs"], crowded["seq_len"]
+    share = hw.host_share(W)
+    c = 4 if hw.target == "cpu" else 2
+    residual = hw.block_residual_s
+    out = {}
+    for T, measured in crowded["crowded_tp_block_s"]:
+        priced = priced_block(m, hw, S, S, T, 1) / share
+        priced += (residual.get("fixed", 0.0) + residual.get("per_token", 0.0) * S / T) / share
+        priced += block_tp_collectives(m, hw, T, S, c) / share
+        out[str(int(T))] = max(0.0, measured - priced)
+    return out
 
 
 def fsdp_block_overhead(raw: dict, m: ModelConfig, hw: Hardware) -> float:
@@ -495,7 +524,10 @@ def _worker_main() -> None:
     init, shutdown = _hooks(args.get("init"), args.get("shutdown"))
     init(args["device"], 300)
     try:
-        result = _measure(cfg, device, world, threads)
+        if args.get("crowded"):
+            result = _measure_crowded(cfg, device, world, threads)
+        else:
+            result = _measure(cfg, device, world, threads)
     finally:
         shutdown()
     if rank == 0:
@@ -622,6 +654,32 @@ def _measure(cfg: JobConfig, device: torch.device, world: int, threads: int) -> 
     return res
 
 
+def crowded_tps(m: ModelConfig, seq: int, world: int) -> list[int]:
+    """The tp sizes a crowded calibration of `world` processes measures: each that divides the
+    processes, the heads, the kv heads and the sequence."""
+    return [
+        t
+        for t in range(2, world + 1)
+        if world % t == 0 and m.n_heads % t == 0 and m.n_kv_heads % t == 0 and seq % t == 0
+    ]
+
+
+def _measure_crowded(cfg: JobConfig, device: torch.device, world: int, threads: int) -> dict:
+    """One tp-sharded block (one sample, as `sharded_block_seconds`) in every tp group of
+    `world` processes at once, for each tp of `crowded_tps`: what a step's tp collectives wait
+    when the ranks outnumber the cores."""
+    m, S = cfg.model, cfg.train.seq_len
+    res: dict = {"procs": world, "threads": threads, "seq_len": S, "crowded_tp_block_s": []}
+    for tp in crowded_tps(m, S, world):
+        tp_mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        seconds = [
+            sharded_block_seconds(m, S, torch.float32, device, tp_mesh=tp_mesh["tp"])
+            for _ in range(CPU_ROUNDS)
+        ]
+        res["crowded_tp_block_s"].append([tp, statistics.median(seconds)])
+    return res
+
+
 def calibrate(
     cfg: JobConfig,
     device: str = "cpu",
@@ -629,16 +687,24 @@ def calibrate(
     procs: int | None = None,
     init: str | None = None,
     shutdown: str | None = None,
+    crowd: int | None = None,
 ) -> tuple[Hardware, dict]:
     """A profile of this machine for `cfg`'s shapes, and the raw measurements. `init` and
     `shutdown` ("module:function") start and end the process group of the measuring ranks the
-    way the trainer does (default: torch.distributed's)."""
+    way the trainer does (default: torch.distributed's). CPU: with `crowd` (more processes than
+    cores), a second launch of that many processes measures tp-sharded blocks as crowded."""
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda, but no CUDA device is visible; use --device cpu")
     if device not in ("cpu", "cuda"):
         raise ConfigError(f"--device {device!r} is not one of cpu, cuda")
     if procs is None:
         procs = 2 if device == "cpu" else min(2, torch.cuda.device_count())
+    cores = os.cpu_count() or 1
+    if crowd is not None and (device != "cpu" or crowd <= cores):
+        raise ConfigError(
+            f"crowd={crowd}: a crowded calibration is for CPU with more processes than the "
+            f"{cores} cores"
+        )
     job = dataclasses.asdict(cfg)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "calibration.json")
@@ -649,6 +715,10 @@ def calibrate(
             _spawn(procs, args)
         with open(out) as f:
             raw = json.load(f)
+        if crowd and crowded_tps(cfg.model, cfg.train.seq_len, crowd):
+            _spawn(crowd, dict(args, crowded=True))
+            with open(out) as f:
+                raw["crowded"] = json.load(f)
     return profile_from(raw, cfg, device, base), raw
 
 
@@ -783,6 +853,14 @@ def profile_from(raw: dict, cfg: JobConfig, device: str, base: Hardware | None) 
         hw.sources["tp_block_overhead_s"] = (
             f"measured with {raw['procs']} processes: one block sharded by the trainer's tp plan "
             f"over tp={raw['tp_block_tp']} (median call), less what the model prices for it"
+        )
+    hw.crowded_tp_block_overhead_s = crowded_tp_block_overhead(raw, cfg.model, hw)
+    if hw.crowded_tp_block_overhead_s:
+        hw.crowded_ranks = raw["crowded"]["procs"]
+        hw.sources["crowded_tp_block_overhead_s"] = (
+            f"measured with {hw.crowded_ranks} processes on {cores} cores: one block sharded by "
+            "the trainer's tp plan in every tp group at once (median of rounds), less what the "
+            "model prices for it at that crowding"
         )
     hw.fsdp_block_overhead_s = fsdp_block_overhead(raw, cfg.model, hw)
     if "fsdp_block_s" in raw:

@@ -95,6 +95,13 @@ class Hardware:
     # beyond all of the above and its priced tp collectives (calibrated at the processes'
     # tp; the wrappers, autograd functions and waits of the parallel forward). 0: none.
     tp_block_overhead_s: float = 0.0
+    # CPU, when more ranks share the host than it has cores: per block and micro batch, per tp
+    # ({"2": s, "4": s}), what a tp-sharded block took beyond everything priced (each term at
+    # its crowded share) with `crowded_ranks` processes measuring at once; on such a host each
+    # tp collective waits for a peer the scheduler has not run yet. Replaces the uncrowded
+    # `tp_block_overhead_s` x ranks / cores for a tp it holds. Empty: not measured.
+    crowded_tp_block_overhead_s: dict[str, float] = field(default_factory=dict)
+    crowded_ranks: int = 0
     # Per block and micro batch when dp_shard > 1: what one block as an FSDP2 unit takes beyond
     # the block and its priced all-gathers, reduce-scatter, copies and ops (calibrated; FSDP2's
     # hooks, waits and allocations). 0: none.

@@ -21,7 +21,8 @@ Priced per rank and per optimizer step (b = micro batch, S = sequence, N = b*S t
                 critical path (no async TP); full checkpointing repeats each
                 block's two sequence gathers and its attention reduce-scatter
                 + the calibrated cost of a tp-sharded block's parallel forward beyond all
-                that, per block and micro batch (`tp_block_overhead_s`)
+                that, per block and micro batch (`tp_block_overhead_s`; on a CPU host with
+                more ranks than cores, `crowded_tp_block_overhead_s`, measured so crowded)
     FSDP comm = the all-gathers (forward, backward re-gather) and reduce-scatters of
                 `analytic_step`, plus HSDP's all-reduce of the gradient shards across replicas,
                 each over the link its group spans (NVLink when the group lies inside a node,
@@ -290,6 +291,17 @@ def predict(
     return predict_valid(job_on_mesh(cfg, mesh), mesh, hardware, G, headroom)
 
 
+def tp_block_overhead(hw: Hardware, T: int, ranks_on_host: int, comm_scale: float) -> float:
+    """Seconds per block and micro batch a tp-sharded block costs beyond its priced pieces: on a
+    host with more ranks than cores, the crowded measurement for this tp when there is one
+    (beyond the ranks it was measured with, in proportion), else the uncrowded one x ranks /
+    cores."""
+    crowded = hw.crowded_tp_block_overhead_s.get(str(T))
+    if hw.host_cores and ranks_on_host > hw.host_cores and crowded is not None:
+        return crowded * max(1.0, ranks_on_host / max(1, hw.crowded_ranks))
+    return hw.tp_block_overhead_s * comm_scale
+
+
 def predict_valid(
     job: JobConfig,
     mesh: MeshShape,
@@ -343,9 +355,9 @@ def predict_valid(
         tp_s += tp_link.seconds(kind, T, payload, count) + count * hw.tp_sync_s
         tp_bytes += payload
         tp_count += count
-    if T > 1:  # calibrated: the parallel forward's own cost per block beyond the above
-        tp_s += hw.tp_block_overhead_s * m.n_layers * n_micro
     tp_s *= comm_scale
+    if T > 1:  # calibrated: the parallel forward's own cost per block beyond the above
+        tp_s += tp_block_overhead(hw, T, ranks_on_host, comm_scale) * m.n_layers * n_micro
 
     defer = p.defer_grad_sync and n_micro > 1
     syncs = 1 if defer else n_micro  # gradient reduce-scatters (and HSDP all-reduces) per step
