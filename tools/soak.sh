@@ -20,6 +20,13 @@ mkdir -p "$out" || exit 2
 out=$(cd "$out" && pwd)  # absolute: the runs start in the repository root
 cd "$(dirname "$0")/.." || exit 2
 
+# What the runs test: the commit, and a fingerprint of the code and tests alone, so that runs of
+# commits that differ only in docs count as runs of the same code.
+commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+code=$(git rev-parse HEAD:hybrid2d HEAD:tests HEAD:recipes HEAD:tools HEAD:pyproject.toml 2>/dev/null | git hash-object --stdin 2>/dev/null | cut -c1-12)
+git diff --quiet HEAD -- hybrid2d tests recipes tools pyproject.toml 2>/dev/null || code="$code+uncommitted"
+echo "soak at commit $commit, code $code, $(date -u '+%Y-%m-%d %H:%M UTC')"
+
 busy=()
 for _ in 1 2; do
     python -c "while True: pass" &
@@ -33,7 +40,7 @@ for run in $(seq 1 "$n"); do
     python -m pytest -q -p no:cacheprovider "${args[@]}" >"$out/run-$run.log" 2>&1
     rc=$?
     [ $rc -ne 0 ] && failed=$((failed + 1))
-    echo "run $run/$n: exit $rc, $(($(date +%s) - start)) s, $(tail -n 1 "$out/run-$run.log")"
+    echo "run $run/$n (code $code): exit $rc, $(($(date +%s) - start)) s, $(tail -n 1 "$out/run-$run.log")"
 done
 echo "$failed of $n runs failed (two busy processes beside them; logs in $out)"
 exit "$failed"
