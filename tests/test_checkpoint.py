@@ -14,14 +14,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from hybrid2d.checkpoint import integrity, layout, standalone
-from hybrid2d.checkpoint.dcp import find_resume
+from hybrid2d.checkpoint.dcp import find_resume, save_due
 from hybrid2d.checkpoint.reader import (
     check_model_shapes,
     expected_model_shapes,
     iter_model_tensors,
     read_metadata,
 )
-from hybrid2d.config import ConfigError, JobConfig
+from hybrid2d.config import CheckpointConfig, ConfigError, JobConfig
 from hybrid2d.models.llama import Llama
 from tests.launch import REPO
 from tests.reference import tiny_config
@@ -276,3 +276,20 @@ def test_sampling_greedy_top_k_and_seed():
     a = gen.sample(model, [0], 30, temperature=2.0, seed=5)
     assert a == gen.sample(model, [0], 30, temperature=2.0, seed=5)
     assert a != gen.sample(model, [0], 30, temperature=2.0, seed=6)
+
+
+@pytest.mark.parametrize(
+    "every, save_final, stop_after, saved",
+    [
+        (0, True, 0, [20]),
+        (0, False, 0, []),
+        (5, True, 0, [5, 10, 15, 20]),
+        (8, True, 0, [8, 16, 20]),
+        (8, False, 0, [8, 16]),  # README: `--checkpoint.save_final false` for none at the end
+        (500, False, 0, []),  # the 1B recipe's every=500 in a 20-step GPU check
+        (0, False, 7, [7]),
+    ],
+)
+def test_saved_steps_follow_every_save_final_and_stop_after(every, save_final, stop_after, saved):
+    ck = CheckpointConfig(every=every, save_final=save_final, stop_after=stop_after)
+    assert [step for step in range(1, 21) if save_due(ck, 20, step)] == saved

@@ -63,7 +63,7 @@ from hybrid2d.checkpoint.reader import (
     read_config,
     read_metadata,
 )
-from hybrid2d.config import ConfigError, JobConfig
+from hybrid2d.config import CheckpointConfig, ConfigError, JobConfig
 from hybrid2d.mesh import agree, print0
 
 # Test hook: "STEP:RANK" makes that rank SIGKILL itself in the save of STEP, after the data was
@@ -182,6 +182,17 @@ def _missing_or_mismatched(template: dict, meta: Metadata) -> str | None:
 # ---- the checkpointer ------------------------------------------------------------------------
 
 
+def save_due(ck: CheckpointConfig, last: int, step: int) -> bool:
+    """Whether `step` is saved: every `ck.every` steps, after the last step when
+    `ck.save_final` (also with `every` set: `save_final false` means no final save), and at
+    `ck.stop_after`."""
+    return (
+        (ck.every > 0 and step % ck.every == 0)
+        or (step == last and ck.save_final)
+        or step == ck.stop_after
+    )
+
+
 class Checkpointer:
     """Saves the trainer's state on schedule and restores it on resume (see the module doc)."""
 
@@ -234,16 +245,8 @@ class Checkpointer:
 
     # -- saving --------------------------------------------------------------------------------
 
-    def due(self, step: int) -> bool:
-        ck, last = self.ck, self.cfg.train.steps
-        return (
-            (ck.every > 0 and step % ck.every == 0)
-            or (step == last and (ck.save_final or ck.every > 0))
-            or step == ck.stop_after
-        )
-
     def maybe_save(self, step: int) -> None:
-        if self.due(step) and step != self._last_saved_step:
+        if save_due(self.ck, self.cfg.train.steps, step) and step != self._last_saved_step:
             self.save(step)
 
     def ensure_saved(self, step: int) -> None:
