@@ -296,6 +296,31 @@ def test_calibrated_residuals_are_the_measurement_less_the_priced_block():
     assert crowded_tp_block_overhead(raw, m, hw) == {}
 
 
+def test_gpu_residuals_are_per_device_whatever_the_hosts_threads():
+    """On a GPU profile rates are per device, so a calibration run by a process with 16 host
+    threads (raw['threads']) recovers the residuals in seconds, not in 16ths of a core: the
+    first H200 calibration priced the block 16x too cheap and its residual (7 us per token)
+    predicted 4.4 s for a measured 0.72 s step."""
+    from hybrid2d.planner.calibrate import block_residual, checkpoint_overhead, priced_block
+
+    m = debug_job().model
+    hw = hardware.get("h200")
+    assert not hw.host_cores
+    S = 64
+    raw = {"threads": 16, "seq_len": S, "procs": 1, "block_tokens": S}
+    raw["block_none_s"] = [
+        [n, priced_block(m, hw, n, S, 1, 1) + 0.004 + 2e-6 * n] for n in (2 * S, S)
+    ]
+    assert block_residual(raw, m, hw) == {
+        "fixed": pytest.approx(0.004),
+        "per_token": pytest.approx(2e-6),
+    }
+    none = raw["block_none_s"][1][1]
+    raw["block_s"] = {"none": none, "selective": none + 0.5, "full": none + 0.5}
+    for mode, extra in checkpoint_overhead(raw, m, hw).items():
+        assert 0.4 < extra < 0.5, mode  # seconds per block (less the priced recompute)
+
+
 def test_dispatch_is_ops_times_cost_per_op():
     """The per-op term is the step's op count x seconds per op (x ranks / cores when ranks
     outnumber the cores), serial with compute on CPU; the count is its sources' sum."""

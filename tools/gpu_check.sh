@@ -4,7 +4,8 @@
 #   2. plan the recipe for one device (the best micro batch and checkpointing that fit),
 #   3. train it for STEPS steps in bf16 (parallel.mixed_precision auto) without and with
 #      parallel.compile, and for each run print MFU, measured vs estimated peak memory and
-#      planned vs measured step time (tools/plan.py --check-run).
+#      planned vs measured step time (tools/plan.py --check-run). No checkpoint is saved: the
+#      1B model's final save (15 GB with AdamW's state) would take longer than its 20 steps.
 #
 #   tools/gpu_check.sh [--device cuda|cpu] [--out DIR]
 #
@@ -39,7 +40,7 @@ START=$(date +%s)
 
 echo "== 1/3 calibrate ($DEVICE, $RECIPE shapes)"
 "$PY" tools/plan.py --calibrate --device "$DEVICE" --recipe "$RECIPE" "${SIZES[@]}" \
-  --out "$OUT/hardware.json"
+  --out "$OUT/hardware.json" --json "$OUT/calibration-raw.json"
 
 echo "== 2/3 plan $RECIPE for one device"
 "$PY" tools/plan.py --recipe "$RECIPE" --nodes 1 --gpus-per-node 1 --hardware "$OUT/hardware.json" \
@@ -55,6 +56,7 @@ for compile in $COMPILE; do
   # shellcheck disable=SC2086  # FLAGS is a list of arguments
   "$PY" recipes/llama.py $FLAGS --train.steps "$STEPS" --train.device "$DEVICE" \
     --parallel.compile "$compile" --data.max_chars "$MAX_CHARS" --metrics.progress_bar false \
+    --checkpoint.save_final false \
     --metrics.run_dir "$OUT/run-compile-$compile"
   "$PY" tools/plan.py --check-run "$OUT/run-compile-$compile" --hardware "$OUT/hardware.json" \
     --gpus-per-node 1 --json "$OUT/check-compile-$compile.json"

@@ -89,7 +89,9 @@ def parser() -> OneLineParser:
     )
     p.add_argument("--top", type=int, default=10, help="rows of the table (10)")
     p.add_argument(
-        "--json", help="write every candidate as a JSON list here (--validate: every measured row)"
+        "--json",
+        help="write every candidate as a JSON list here (--validate: every measured row; "
+        "--calibrate: the raw measurements, to refit the profile without re-measuring)",
     )
     p.add_argument("--emit-accelerate-config", metavar="FILE", help="write the best plan's config")
     p.add_argument("--show-rejected", action="store_true", help="list rejected meshes and why")
@@ -312,6 +314,9 @@ def run_calibrate(args, cfg: JobConfig, base) -> int:
         cfg, args.device, base, args.procs, *TRAINER_PROCESS_GROUP, crowd=args.crowd
     )
     hw.save(args.out)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(raw, f, indent=1)
     print(
         f"calibrated in {time.time() - started:.0f} s for {cfg.recipe}'s shapes; wrote {args.out}"
     )

@@ -15,17 +15,29 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
+# torch 2.13 names these collectives *_single and warns on every call of the older *_tensor
+# names; torch 2.11 (the CUDA image the GPU check runs on) has only the older names. Same ops.
+_all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_reduce_scatter_single = (
+    getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+)
+
+
+def all_gather_dim0(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The group's tensors stacked along dim 0 (not differentiable)."""
+    return _all_gather_single(x.contiguous(), 0, group).wait()
+
 
 def _gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     n = dist.get_world_size(group)
-    out = funcol.all_gather_single(x.contiguous(), 0, group).wait()  # [n*b, s/n, ...]
+    out = all_gather_dim0(x, group)  # [n*b, s/n, ...]
     return out.unflatten(0, (n, x.shape[0])).movedim(0, 1).flatten(1, 2)  # [b, s, ...]
 
 
 def _reduce_scatter(y: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     n = dist.get_world_size(group)
     chunks = y.unflatten(1, (n, y.shape[1] // n)).movedim(1, 0).flatten(0, 1)  # [n*b, s/n, ...]
-    return funcol.reduce_scatter_single(chunks.contiguous(), "sum", 0, group).wait()
+    return _reduce_scatter_single(chunks.contiguous(), "sum", 0, group).wait()
 
 
 def all_reduce(x: torch.Tensor, op: str, group: dist.ProcessGroup) -> torch.Tensor:

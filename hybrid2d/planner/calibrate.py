@@ -52,6 +52,7 @@ from torch.distributed.fsdp import fully_shard
 from hybrid2d.comm_report import analytic_step
 from hybrid2d.config import ConfigError, JobConfig, ModelConfig
 from hybrid2d.models.llama import DecoderLayer, Llama
+from hybrid2d.parallel.sequence_comm import all_gather_dim0
 from hybrid2d.planner import model as cost
 from hybrid2d.planner import ops
 from hybrid2d.planner.hardware import KINDS, PRESETS, Hardware, Link, cpu_guess, get, ring_factor
@@ -214,6 +215,13 @@ def seconds_per_op(m: ModelConfig, device, mesh=None) -> float:
     return timed(run, device, min_time=0.1, max_reps=50) / counter.count
 
 
+def cores_measured(raw: dict, hw: Hardware) -> int:
+    """How many of a profile's rate units one measuring process had: its threads on CPU, where
+    rates are per core; 1 on a GPU, where rates are per device (the host's threads only feed
+    it). The residuals below are stored in those units."""
+    return raw["threads"] if hw.host_cores else 1
+
+
 def checkpoint_overhead(raw: dict, m: ModelConfig, hw: Hardware) -> dict[str, float]:
     """Seconds per block and micro batch that a checkpointing mode costs beyond the recompute the
     model prices (`model.flops` and the block's elementwise bytes at this profile's own rates):
@@ -221,7 +229,7 @@ def checkpoint_overhead(raw: dict, m: ModelConfig, hw: Hardware) -> dict[str, fl
     calibration's block timings, at one thread (`raw['threads']`, scaled to one core)."""
     if "block_s" not in raw:
         return {}
-    tokens, threads, S = raw["block_tokens"], raw["threads"], raw["seq_len"]
+    tokens, threads, S = raw["block_tokens"], cores_measured(raw, hw), raw["seq_len"]
     c = 4 if hw.target == "cpu" else 2
     mm = hw.matmul_rate(tokens, 1) * threads
     attn = hw.attention_rate(tokens, 1) * threads
@@ -265,7 +273,7 @@ def block_residual(raw: dict, m: ModelConfig, hw: Hardware) -> dict[str, float]:
     autograd between, its backward's transposed operands and its allocations."""
     if "block_none_s" not in raw:
         return {}
-    threads, S = raw["threads"], raw["seq_len"]
+    threads, S = cores_measured(raw, hw), raw["seq_len"]
     (n1, r1), (n2, r2) = sorted(
         (n, t - priced_block(m, hw, n, S, 1, threads)) for n, t in raw["block_none_s"]
     )
@@ -281,7 +289,7 @@ def tp_block_overhead(raw: dict, m: ModelConfig, hw: Hardware) -> float:
     conversions."""
     if "tp_block_s" not in raw:
         return 0.0
-    T, S, threads = raw["tp_block_tp"], raw["seq_len"], raw["threads"]
+    T, S, threads = raw["tp_block_tp"], raw["seq_len"], cores_measured(raw, hw)
     c = 4 if hw.target == "cpu" else 2
     residual = hw.block_residual_s
     priced = priced_block(m, hw, S, S, T, threads)
@@ -332,7 +340,7 @@ def fsdp_block_overhead(raw: dict, m: ModelConfig, hw: Hardware) -> float:
     link, their copies and ops), per core: FSDP2's hooks, waits and allocations."""
     if "fsdp_block_s" not in raw:
         return 0.0
-    W, S, threads = raw["fsdp_block_dp"], raw["seq_len"], raw["threads"]
+    W, S, threads = raw["fsdp_block_dp"], raw["seq_len"], cores_measured(raw, hw)
     c = 4 if hw.target == "cpu" else 2
     residual = hw.block_residual_s
     priced = priced_block(m, hw, S, S, 1, threads)
@@ -461,8 +469,6 @@ def tp_sync_seconds(m: ModelConfig, tokens: int, world: int, dtype, device, reps
     same all-gather back to back (where both ranks are already in step) plus the compute alone:
     each rank must be scheduled and done computing before the collective completes. Medians of
     `reps` calls (the waits are the point, so not the fastest call)."""
-    import torch.distributed._functional_collectives as funcol
-
     group = dist.group.WORLD
     x = torch.randn(tokens // world, m.dim, dtype=dtype, device=device)  # a sequence shard
     h = torch.randn(tokens, m.dim, dtype=dtype, device=device)
@@ -472,7 +478,7 @@ def tp_sync_seconds(m: ModelConfig, tokens: int, world: int, dtype, device, reps
         h @ w  # one column-parallel GEMM: what a rank does between two tp collectives
 
     def gather():
-        funcol.all_gather_single(x, 0, group).wait()
+        all_gather_dim0(x, group)
 
     def both():
         compute()
