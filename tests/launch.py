@@ -12,15 +12,29 @@ another job before the launcher binds it. Instead
   `retry_if_port_taken` reruns a launch whose output says the address was taken in between;
 - accelerate as several nodes must be told node 0's port: `reserved_port()` holds one that no
   other process can be given until node 0's store takes it over.
+
+Most of a small multi-process test is each rank importing torch and the trainer (about 70% of a
+4-rank parity launch on a 2-core host). `run_ranks` therefore forks its ranks from a zygote: a
+multiprocessing forkserver that imported those modules once per test session, with one thread
+per process and no process group. Each rank then gets the environment, argv, working directory
+and stdout / stderr files it would have as `python script ...`, and its exit status is the
+script's. `fresh=True` starts plain processes instead.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
+import multiprocessing
 import os
+import runpy
 import socket
 import subprocess
 import sys
+import tempfile
+import time
+import traceback
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -129,11 +143,124 @@ def rank_env(rank: int, world: int, port: int, local_world: int | None = None) -
     return env
 
 
+# What every rank of the tests imports: the zygote imports it once, its ranks inherit it.
+ZYGOTE_PRELOAD = [
+    "torch",
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "hybrid2d.trainer",
+    "hybrid2d.checkpoint.hf",
+    "tests.reference",
+]
+
+
+@functools.cache
+def _zygote():
+    """The forkserver context, its server started (once) with one thread per process, as
+    `rank_env` gives every rank: torch reads OMP_NUM_THREADS when it is imported."""
+    from multiprocessing import forkserver
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(ZYGOTE_PRELOAD)
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS")
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    return ctx
+
+
+def _zygote_rank(args: list[str], env: dict, out: str, err: str) -> None:
+    """In a process forked from the zygote: become `python *args` with `env` in REPO."""
+    for fd, path in ((1, out), (2, err)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(target, fd)
+        os.close(target)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(REPO)
+    for entry in reversed(env.get("PYTHONPATH", "").split(os.pathsep)):
+        if entry and entry not in sys.path:
+            sys.path.insert(0, entry)
+    code = 0
+    try:
+        if args[0] == "-c":
+            sys.argv = ["-c", *args[2:]]
+            exec(compile(args[1], "<string>", "exec"), {"__name__": "__main__"})
+        else:
+            script = str(REPO / args[0])
+            sys.argv = [script, *args[1:]]
+            sys.path.insert(0, os.path.dirname(script))  # as `python script` puts it first
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if isinstance(e.code, int) or e.code is None:
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        # What the interpreter does at exit; os._exit below skips it (a forked child must not
+        # run the zygote's own exit machinery).
+        atexit._run_exitfuncs()  # private; no public way to run them before os._exit
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
+
+
 def run_ranks(
-    world: int, args: list[str], timeout: float = 300, env: dict | None = None
+    world: int,
+    args: list[str],
+    timeout: float = 300,
+    env: dict | None = None,
+    fresh: bool = False,
 ) -> list[subprocess.CompletedProcess]:
     """Run `python args...` as ranks 0..world-1; return each rank's completed process. This
-    process serves their store, as torchrun's agent would."""
+    process serves their store, as torchrun's agent would. The ranks are forked from the zygote
+    unless `fresh`."""
+    if fresh:
+        return _run_fresh(world, args, timeout, env)
+    ctx = _zygote()
+    store = host_store()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="ranks-") as logs:
+        procs = []
+        for r in range(world):
+            files = (os.path.join(logs, f"{r}.out"), os.path.join(logs, f"{r}.err"))
+            rank_vars = {**rank_env(r, world, store.port), **(env or {})}
+            proc = ctx.Process(target=_zygote_rank, args=(args, rank_vars, *files))
+            proc.start()
+            procs.append((proc, files))
+        try:
+            deadline = time.monotonic() + timeout
+            for proc, _ in procs:
+                proc.join(max(0.0, deadline - time.monotonic()))
+                if proc.exitcode is None:
+                    raise subprocess.TimeoutExpired([sys.executable, *args], timeout)
+        finally:
+            for proc, _ in procs:
+                if proc.exitcode is None:
+                    proc.kill()
+                    proc.join()
+            del store
+        for proc, (out, err) in procs:
+            with open(out) as o, open(err) as e:
+                results.append(
+                    subprocess.CompletedProcess(
+                        [sys.executable, *args], proc.exitcode, o.read(), e.read()
+                    )
+                )
+    return results
+
+
+def _run_fresh(world, args, timeout, env) -> list[subprocess.CompletedProcess]:
     store = host_store()
     procs = [
         subprocess.Popen(

@@ -743,10 +743,16 @@ def test_emitted_accelerate_config_launches_the_best_plan(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_check_runs_on_cpu(tmp_path):
-    """tools/gpu_check.sh's Python parts (calibrate, plan, train with and without compile,
-    compare) on CPU with llama-debug and a few steps."""
+    """tools/gpu_check.sh's Python parts (calibrate, plan, train, compare) on CPU with
+    llama-debug and a few steps. Without compile: Inductor's CPU build took half of this
+    test's time, and compiled training is checked against one process in test_paths_parity."""
     env = launcher_env(
-        RECIPE="llama-debug", STEPS="3", GLOBAL_BATCH="4", SEQ_LEN="128", PYTHON=sys.executable
+        RECIPE="llama-debug",
+        STEPS="3",
+        GLOBAL_BATCH="4",
+        SEQ_LEN="128",
+        COMPILE="false",
+        PYTHON=sys.executable,
     )
     proc = subprocess.run(
         ["bash", "tools/gpu_check.sh", "--device", "cpu", "--out", str(tmp_path / "check")],
@@ -757,10 +763,11 @@ def test_gpu_check_runs_on_cpu(tmp_path):
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    for compile_ in ("false", "true"):
-        result = json.loads((tmp_path / "check" / f"check-compile-{compile_}.json").read_text())
-        assert result["measured_step_s"] > 0 and result["planned_step_s"] > 0
-        assert result["estimated_peak_gib"] > 0
+    result = json.loads((tmp_path / "check" / "check-compile-false.json").read_text())
+    assert result["measured_step_s"] > 0 and result["planned_step_s"] > 0
+    assert result["estimated_peak_gib"] > 0
+    raw = json.loads((tmp_path / "check" / "calibration-raw.json").read_text())
+    assert raw["block_none_s"] and raw["matmul_table"]  # --calibrate --json keeps the raw
     assert "MFU" in proc.stdout and "planned" in proc.stdout
     assert os.path.exists(tmp_path / "check" / "hardware.json")
 
