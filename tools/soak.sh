@@ -22,9 +22,10 @@ cd "$(dirname "$0")/.." || exit 2
 
 # What the runs test: the commit, and a fingerprint of the code and tests alone, so that runs of
 # commits that differ only in docs count as runs of the same code.
+tested=(hybrid2d tests recipes tools pyproject.toml)
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-code=$(git rev-parse HEAD:hybrid2d HEAD:tests HEAD:recipes HEAD:tools HEAD:pyproject.toml 2>/dev/null | git hash-object --stdin 2>/dev/null | cut -c1-12)
-git diff --quiet HEAD -- hybrid2d tests recipes tools pyproject.toml 2>/dev/null || code="$code+uncommitted"
+code=$(git rev-parse "${tested[@]/#/HEAD:}" 2>/dev/null | git hash-object --stdin 2>/dev/null | cut -c1-12)
+git diff --quiet HEAD -- "${tested[@]}" 2>/dev/null || code="$code+uncommitted"
 echo "soak at commit $commit, code $code, $(date -u '+%Y-%m-%d %H:%M UTC')"
 
 busy=()
