@@ -773,6 +773,28 @@ def test_gpu_check_runs_on_cpu(tmp_path):
 
 
 @pytest.mark.slow
+def test_one_process_calibration_prices_ops_under_fsdp_and_can_be_crowded():
+    """One process (as on one GPU) measures as a rank of a one-rank process group, so the
+    per-op probe wraps its block by FSDP2 as the trainer does (on one H200 a bare block's figure
+    was a third of a step's); and --procs 1 with --crowd measures the crowded launch too."""
+    from hybrid2d.planner.calibrate import calibrate
+
+    plan_tool = load_tool("plan")
+    model = ModelConfig(dim=64, n_layers=1, n_heads=8, n_kv_heads=4, ffn_dim=128, vocab_size=256)
+    job = JobConfig(recipe="tiny", model=model)
+    job.train.seq_len = 32
+    hw, raw = calibrate(job, "cpu", procs=1, crowd=4, **_trainer_hooks(plan_tool))
+    assert raw["procs"] == 1 and raw["dispatch_under_fsdp"] is True
+    assert 0 < hw.op_overhead_s < 1e-2
+    assert [tp for tp, _ in raw["crowded"]["crowded_tp_block_s"]] == [2, 4]
+
+
+def _trainer_hooks(plan_tool) -> dict:
+    init, shutdown = plan_tool.TRAINER_PROCESS_GROUP
+    return {"init": init, "shutdown": shutdown}
+
+
+@pytest.mark.slow
 def test_crowded_calibration_times_every_tp_group_at_once(tmp_path):
     """The crowded launch (4 processes on this 2-core host, through the trainer's process
     group) times a tp-sharded block at each tp that divides the processes and the heads, and
