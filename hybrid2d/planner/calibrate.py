@@ -805,8 +805,10 @@ def profile_from(raw: dict, cfg: JobConfig, device: str, base: Hardware | None) 
             name=f"{base.name}-calibrated",
             description=f"{torch.cuda.get_device_name()} calibrated for {cfg.recipe}; "
             f"vendor figures and unmeasured links from the {base.name} preset",
+            eager_efficiency=1.0,
             sources={
                 **base.sources,
+                "eager_efficiency": "1.0: the rates below were measured eager",
                 "matmul_table": "measured (bf16, the model's GEMMs, forward + backward)",
                 "attention_table": "measured (SDPA forward + backward)",
                 "elementwise_table": "measured (the block's elementwise ops)",

@@ -74,6 +74,10 @@ class Hardware:
     matmul_efficiency: float = 1.0  # achieved fraction of peak_flops in the model's matmuls
     attention_efficiency: float = 1.0  # same for fused attention (SDPA / flash attention)
     memory_efficiency: float = 1.0  # achieved fraction of memory_bandwidth in elementwise ops
+    # Eager PyTorch (parallel.compile off): its kernels' speed as a fraction of what the rates
+    # above give, which is what a compiled step reaches on GPUs (unfused elementwise kernels,
+    # launch gaps). 1.0 where the rates were measured eager (calibrated profiles).
+    eager_efficiency: float = 1.0
     # Calibrated: [[tokens, tp, flop/s], ...] at the model's shapes (overrides matmul_efficiency),
     # [[tokens, tp, flop/s], ...] for attention, [[tokens, bytes/s], ...] for elementwise ops.
     matmul_table: list[list[float]] = field(default_factory=list)
@@ -186,6 +190,10 @@ class Hardware:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"{where}: {name}={value!r} must be a number > 0")
+        if not 0 < self.eager_efficiency <= 1:
+            raise ConfigError(
+                f"{where}: eager_efficiency={self.eager_efficiency!r} must be in (0, 1]"
+            )
         for name in ("intra", "inter"):
             link = getattr(self, name)
             if not link.bandwidth > 0 or not 0 < link.efficiency <= 1:
@@ -268,6 +276,18 @@ _FA3_H = (
     "forward); x 3/3.5 for flops_per_token's 2x backward: 0.30",
 )
 
+# Eager against compiled, measured on one H200 (docs/gpu-check-h200.json, 2026-12-04): the same
+# llama3.2-1b step (bf16, micro batch 8, no checkpointing) took 0.666 s eager and 0.539 s with
+# parallel.compile, where the preset's ceilings above priced 0.535 s. The ratio is taken for every
+# GPU: no other GPU has been measured, and the published A100 and H100 rows (docs/planner.md) are
+# the check of that.
+_EAGER = (
+    0.81,
+    "measured: one H200, llama3.2-1b bf16 micro batch 8, 0.539 s compiled / 0.666 s eager = 0.81 "
+    "(docs/gpu-check-h200.json; the preset priced the compiled step at 0.535 s); taken for "
+    "every GPU",
+)
+
 
 def _gpu(
     name, description, peak, memory_gib, hbm, nvlink_dir, nic_dir, matmul, attention, sources
@@ -286,12 +306,14 @@ def _gpu(
         matmul_efficiency=matmul[0],
         attention_efficiency=attention[0],
         memory_efficiency=0.8,
+        eager_efficiency=_EAGER[0],
         comm_overlap=True,
         sources={
             **sources,
             **_ASSUMED,
             "matmul_efficiency": matmul[1],
             "attention_efficiency": attention[1],
+            "eager_efficiency": _EAGER[1],
         },
     )
 

@@ -329,9 +329,11 @@ def predict_valid(
     rank_tokens = local * S / T  # tp ranks split the work of their dp group's tokens
     mm_flops = (f["matmul"] + f["recompute_matmul"]) * rank_tokens
     attn_flops = (f["attention"] + f["recompute_attention"]) * rank_tokens
-    mm_rate = hw.matmul_rate(N, T) * share
-    attn_rate = hw.attention_rate(N, T) * share
-    bandwidth = hw.elementwise_bandwidth(N) * share
+    # Eager PyTorch's kernels reach a fraction of the compiled step's rates (hardware.py).
+    eager = 1.0 if p.compile else hw.eager_efficiency
+    mm_rate = hw.matmul_rate(N, T) * share * eager
+    attn_rate = hw.attention_rate(N, T) * share * eager
+    bandwidth = hw.elementwise_bandwidth(N) * share * eager
     block_fwd = sum(block_elementwise_bytes(m, N, T, c).values())
     recompute_passes = 1 if p.activation_checkpoint in ("full", "selective") else 0
     elem_per_micro = m.n_layers * block_fwd * (3 + recompute_passes) + head_elementwise_bytes(

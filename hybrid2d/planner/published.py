@@ -223,5 +223,6 @@ def predict_row(row: Published, peak_flops: float | None = None) -> tuple[Candid
         tokens = cfg.train.global_batch * row.seq_len / world
         ours = cand.details["recompute_flops_per_rank"]
         theirs = torchtitan_recompute_flops(cfg.model) * tokens
-        step += (theirs - ours) / hw.matmul_rate(row.local_batch * row.seq_len, row.tp)
+        rate = hw.matmul_rate(row.local_batch * row.seq_len, row.tp) * hw.eager_efficiency
+        step += (theirs - ours) / rate  # torchtitan's rows ran eager
     return cand, cfg.train.global_batch * row.seq_len / step / world
