@@ -10,7 +10,9 @@ signals ignored, so that a late one cannot kill the rank while it writes its sum
 A rank that hangs (stuck in I/O, or in a collective with a hung peer) never reaches the step
 boundary where the request is acted on, and only the launcher's SIGKILL after its grace period
 would end it, silently. So a signal also arms a watchdog thread: if no step boundary acts on it
-within parallel.timeout_s, the process prints one line saying so and exits 1. The thread learns
+within parallel.timeout_s of the last sign of progress (the signal itself, each validation batch,
+the start of a checkpoint save), the process prints one line saying so and exits 1: a long
+validation or save between the signal and the step boundary is slow, not hung. The thread learns
 of the signal through signal.set_wakeup_fd, which the interpreter's C-level handler writes to at
 once, even while the main thread waits in a C call and the Python handler cannot run.
 """
@@ -56,6 +58,7 @@ class Preemption:
         self._timeout_s = timeout_s
         self._step = step
         self._acted = threading.Event()  # a step boundary saw the request: disarms the watchdog
+        self._progress_at = 0.0  # monotonic time of the last progress() (read by the watchdog)
         self._closed = False
         self._wakeup = None  # (read socket, write socket, previous wakeup fd)
         self._watchdog: threading.Thread | None = None
@@ -67,6 +70,11 @@ class Preemption:
 
     def _handle(self, signum, frame) -> None:
         self.signal_name = signal.Signals(signum).name
+
+    def progress(self) -> None:
+        """Work between step boundaries is moving (a validation batch, a save starting): a
+        watchdog armed by a signal waits timeout_s from now rather than from the signal."""
+        self._progress_at = time.monotonic()
 
     def requested(self) -> bool:
         """Whether any rank got a signal (a collective: every rank calls it each step)."""
@@ -141,6 +149,10 @@ class Preemption:
                     armed = (deadline, got[0], self._step() + 1)
                 continue
             if armed is not None and not self._acted.is_set() and not self._closed:
+                moved = self._progress_at + self._timeout_s
+                if moved > armed[0]:  # progress since: wait timeout_s from the last of it
+                    armed = (moved, *armed[1:])
+                    continue
                 self._give_up(*armed[1:])
             armed = None  # acted on in time: nothing left to watch
 

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -154,10 +155,12 @@ class Trainer:
         return StepResult(self.step, loss, grad_norm, lr, time.perf_counter() - start, not finite)
 
     @torch.no_grad()
-    def evaluate(self, val: EvalSet) -> tuple[float, float]:
+    def evaluate(
+        self, val: EvalSet, on_batch: Callable[[], None] = lambda: None
+    ) -> tuple[float, float]:
         """(mean loss per loss token, perplexity) over the whole held-out set: forward only,
         summed token losses and loss-token counts all-reduced over dp, so every mesh computes
-        the same token-weighted mean."""
+        the same token-weighted mean. `on_batch` runs after each batch (progress)."""
         self.model.eval()
         device = self.mesh.device
         local = self.cfg.train.global_batch // self.mesh.dp
@@ -167,6 +170,7 @@ class Trainer:
             inputs, labels = inputs.to(device), labels.to(device)
             totals[0] += cross_entropy(self.model(inputs), labels, 1.0).double()
             totals[1] += loss_tokens(labels)
+            on_batch()
         if self.mesh.dp > 1:
             dist.all_reduce(totals, group=self.mesh.dp_mesh.get_group())
         self.model.train()
@@ -307,7 +311,7 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
                 )
             last = trainer.step in (cfg.train.steps, cfg.checkpoint.stop_after)
             if data.val is not None and ((eval_every and result.step % eval_every == 0) or last):
-                val_loss, val_ppl = trainer.evaluate(data.val)
+                val_loss, val_ppl = trainer.evaluate(data.val, preemption.progress)
                 evals.append({"step": result.step, "loss": val_loss, "ppl": val_ppl})
                 writer.scalars(result.step, {"val/loss": val_loss, "val/ppl": val_ppl})
                 if bar is None:
@@ -319,6 +323,7 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
                     post["val_ppl"] = f"{evals[-1]['ppl']:.2f}"
                 bar.set_postfix(post)
                 bar.update(1)
+            preemption.progress()  # a save may follow: timeout_s for it, not since the signal
             ckpt.maybe_save(trainer.step)
             if trainer.step == cfg.checkpoint.stop_after:
                 break

@@ -79,6 +79,36 @@ def test_a_signal_acted_on_at_a_step_boundary_disarms_the_watchdog():
     assert r.returncode == 0 and r.stdout == "finished the save and exited\n", r.stderr
 
 
+PROGRESS = """
+import os, signal, sys, time
+import torch
+from hybrid2d.preemption import Preemption
+p = Preemption(torch.device("cpu"), 2.0, step=lambda: 3)
+os.kill(os.getpid(), signal.SIGTERM)
+for _ in range(20):  # a validation or save after the signal: 5 s, a tick every 0.25 s
+    time.sleep(0.25)
+    p.progress()
+print("alive after 5 s of progress", flush=True)
+time.sleep(60)  # then no progress: hung
+print("not reached", flush=True)
+"""
+
+
+def test_progress_after_a_signal_holds_the_watchdog_off_until_it_stops():
+    """A signal during a validation or save longer than timeout_s does not end the rank while
+    batches / saves keep coming; timeout_s without progress still does, with the same line."""
+    r = subprocess.run(
+        [sys.executable, "-c", PROGRESS],
+        capture_output=True,
+        text=True,
+        timeout=120,  # hang guard
+        env={k: v for k, v in os.environ.items() if k != "RANK"},
+    )
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert r.stdout == "alive after 5 s of progress\n"  # not "not reached": the watchdog ended it
+    assert r.stderr == "rank 0: got SIGTERM but step 4 did not finish within 2 s; exiting\n"
+
+
 def test_close_stops_the_watchdog_and_restores_the_wakeup_fd(saved_handlers):
     p = Preemption(torch.device("cpu"), timeout_s=60)
     watchdog = p._watchdog
