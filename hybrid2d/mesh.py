@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import sys
 import warnings
 from dataclasses import dataclass
@@ -195,6 +196,32 @@ def set_cpu_threads() -> None:
         return
     _, _, _, local_world = world_from_env()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed on this rank: it timed out, a peer died, or the ranks disagreed.
+
+    The cause is a peer or the network, not this rank's code, so it is reported as one line
+    per rank (each says what it saw) instead of a traceback, with its own exit status.
+    """
+
+
+# gloo's errors start with the C++ source location: "[.../gloo/transport/tcp/pair.cc:534] ..."
+_GLOO_LOCATION = re.compile(r"^\[[^\]]*gloo/[^\]]*\]\s*")
+
+
+def collective_failure(error: BaseException) -> str | None:
+    """The one-line reason if `error` is a failed collective (any backend), else None."""
+    if not isinstance(error, RuntimeError):
+        return None
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else type(error).__name__
+    if isinstance(error, dist.DistError):  # nccl, the shared-memory backend, the store
+        return first
+    if _GLOO_LOCATION.match(text):  # gloo raises plain RuntimeErrors
+        advice = first.find(". This is typically")  # gloo's generic advice, not this failure's
+        return "gloo: " + _GLOO_LOCATION.sub("", first[: advice if advice > 0 else None])
+    return None
 
 
 def agree(error: str | None, group=None) -> None:

@@ -307,7 +307,7 @@ class _Transport:
     def run(self, kind: int, inp: torch.Tensor, out: torch.Tensor) -> bool:
         """One collective through shared memory; False (nothing done) when it must go to gloo."""
         if self.broken:
-            raise RuntimeError(self.broken)
+            raise dist.DistBackendError(self.broken)
         numel = inp.numel()
         nbytes = numel * inp.element_size()
         if nbytes > self.slot:
@@ -417,7 +417,7 @@ class _Transport:
     def fail(self, what: str):
         """Raise `what` for this rank; the group is broken from now on."""
         self.broken = self.pg._err(what)
-        raise RuntimeError(self.broken)
+        raise dist.DistBackendError(self.broken)
 
     def grow(self, needed: int) -> bool:
         """Every rank asked for `needed` bytes: a new segment with bigger slots (over gloo).

@@ -19,9 +19,11 @@ from hybrid2d.data import EvalSet, build_run_data
 from hybrid2d.data.chat import tokenizer_side_files
 from hybrid2d.data.tokenizer import describe_tokenizer
 from hybrid2d.mesh import (
+    CollectiveError,
     Mesh,
     apply_launcher_settings,
     build_mesh,
+    collective_failure,
     describe_transport,
     init_distributed,
     on_rank0,
@@ -220,9 +222,16 @@ def run(cfg: JobConfig, set_on_cli: frozenset[str] | set[str] = frozenset()) -> 
         return _train(cfg, mesh, planned(cfg, mesh, hw, per_node))
     except (ConfigError, FloatingPointError):
         raise  # raised on every rank together (mesh.agree, the same non-finite branch)
-    except BaseException:
+    except BaseException as e:
         failed_alone = True  # e.g. a collective timed out: the peers may never come
-        raise
+        reason = collective_failure(e)
+        if reason is None:
+            raise
+        rank = f"rank {world_from_env()[0]}"
+        where = "" if reason.startswith(rank + ":") else rank + ": "
+        raise CollectiveError(
+            f"{where}{reason} (parallel.timeout_s={cfg.parallel.timeout_s})"
+        ) from e
     finally:
         release_locks()
         shutdown_distributed(wait_for_peers=not failed_alone)

@@ -55,9 +55,14 @@ def main(argv: list[str] | None = None) -> int:
             print(describe(cfg))
             return 0
         cfg.check_settings()
+        from hybrid2d.mesh import CollectiveError  # torch: not for --list / --help
         from hybrid2d.trainer import run
 
-        run(cfg, set_on_cli)
+        try:
+            run(cfg, set_on_cli)
+        except CollectiveError as e:  # a rank alone: every rank says what it saw
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            return 4
     except (ConfigError, FloatingPointError) as e:  # FloatingPointError: trainer.NonFiniteError
         if rank == 0:  # the message names the setting, or the step that was not finite
             print(f"error: {e}", file=sys.stderr, flush=True)

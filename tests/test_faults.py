@@ -9,9 +9,11 @@ import time
 
 import pytest
 import torch
+from torch.distributed import DistBackendError
 
 from hybrid2d import recipes, trainer
 from hybrid2d.config import ConfigError
+from hybrid2d.mesh import CollectiveError, collective_failure
 from tests.launch import REPO, launcher_env, torchrun
 
 SMALL = [
@@ -266,19 +268,21 @@ def _rank_pid(launcher_pid: int, rank: int) -> int:
 
 
 @pytest.mark.parametrize(
-    "error, waits",
+    "error, raised, waits",
     [
-        (RuntimeError("rank 0: shared-memory collective 61 timed out"), False),  # alone
-        (ConfigError("raised on every rank by mesh.agree"), True),
-        (FloatingPointError("step 3: loss nan"), True),  # every rank takes the same branch
+        (DistBackendError("rank 0: collective 61 timed out"), CollectiveError, False),  # alone
+        (RuntimeError("a bug of this rank's own"), RuntimeError, False),
+        (ConfigError("raised on every rank by mesh.agree"), ConfigError, True),
+        (FloatingPointError("step 3: loss nan"), FloatingPointError, True),  # all ranks
     ],
 )
 def test_a_rank_that_failed_alone_does_not_wait_for_its_peers_at_shutdown(
-    monkeypatch, error, waits
+    monkeypatch, error, raised, waits
 ):
     """The shutdown barrier after a timed-out collective waited another parallel.timeout_s for
     the hung peer (the job ended 2 x timeout_s after the hang); errors every rank raises
-    together keep it (it keeps a peer's gloo teardown from aborting this rank)."""
+    together keep it (it keeps a peer's gloo teardown from aborting this rank). A failed
+    collective becomes a CollectiveError (one line, exit 4); any other error stays itself."""
     calls = []
     for name in ("init_distributed", "build_mesh", "planned", "set_cpu_threads"):
         monkeypatch.setattr(trainer, name, lambda *a, **k: {})
@@ -290,6 +294,43 @@ def test_a_rank_that_failed_alone_does_not_wait_for_its_peers_at_shutdown(
     monkeypatch.setattr(
         trainer, "shutdown_distributed", lambda wait_for_peers=True: calls.append(wait_for_peers)
     )
-    with pytest.raises(type(error)):
+    with pytest.raises(raised) as caught:
         trainer.run(recipes.get("llama-debug"))
+    assert type(caught.value) is raised
     assert calls == [waits]
+
+
+GLOO_TIMEOUT = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "
+    "Timed out waiting 10000ms for recv operation to complete"
+)
+GLOO_PEER_GONE = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+    "[127.0.0.1]:14760: Connection reset by peer. This is typically caused by a remote worker "
+    "hanging or bugs in the application. Check the logs of the remote worker before reporting "
+    "an error. GLHF! \U0001f3d6\ufe0f"
+)
+
+
+@pytest.mark.parametrize(
+    "error, reason",
+    [
+        (
+            RuntimeError(GLOO_TIMEOUT),
+            "gloo: Timed out waiting 10000ms for recv operation to complete",
+        ),
+        (
+            RuntimeError(GLOO_PEER_GONE),
+            "gloo: Read error [127.0.0.1]:14760: Connection reset by peer",
+        ),
+        (DistBackendError("rank 1: group rank 0 exited\ndetails"), "rank 1: group rank 0 exited"),
+        (RuntimeError("shape mismatch in gloo/foo"), None),  # a bug, not the transport
+        (RuntimeError("Expected all tensors to be on the same device"), None),
+        (KeyError("gloo"), None),
+    ],
+)
+def test_a_failed_collective_is_told_from_a_bug(error, reason):
+    """gloo's messages (captured from torch 2.13's gloo: a hung and a killed peer), nccl and
+    the shared-memory backend (DistBackendError) are the transport's; anything else keeps its
+    traceback."""
+    assert collective_failure(error) == reason
