@@ -231,10 +231,13 @@ def estimate(cfg: JobConfig, mesh: MeshShape, rank: int = 0, target: str = "cuda
     if p.activation_checkpoint == "full":
         kept = ckpt
     elif p.activation_checkpoint == "selective":
-        # The block input plus the outputs of matmuls, attention and collectives (the two
-        # gathered inputs, q/k/v, attention output, gate and up, the two reduce-scatters; the o
-        # and down matmuls are recomputed, see activation_checkpoint.output_not_kept).
-        kept = ckpt + gathered + qkv + attn_out + mlp // 2 + 2 * Nl * D * c
+        # The block input plus the outputs of matmuls, attention and collectives: q/k/v, the
+        # attention output, gate and up, and two [Nl, D] tensors (tp > 1: the two
+        # reduce-scatters, whose o and down matmuls are recomputed, see
+        # activation_checkpoint.output_not_kept; tp = 1: the o and down outputs). The attention's
+        # and the MLP's inputs are kept only where a collective made them (tp > 1: the
+        # sequence gathers); on tp = 1 they are the norms' outputs, recomputed.
+        kept = ckpt + (gathered if tp > 1 else 0) + qkv + attn_out + mlp // 2 + 2 * Nl * D * c
     else:
         kept = block
     recomputes = kept != block
@@ -243,13 +246,17 @@ def estimate(cfg: JobConfig, mesh: MeshShape, rank: int = 0, target: str = "cuda
     logits = N * (vocab // tp) * 4
     inputs = 2 * b * S * 8 + 2 * S * hd * c
     loss_k = 3
+    # tp > 1: the vocab-parallel loss's per-token tensors beside the logits' three (row max and
+    # its index, sum of exp, target logit, their all-reduced copies, the label masks and
+    # offsets): 40 bytes a token, counted on CPU.
+    loss_tokens = 40 * N if tp > 1 else 0
     ffn_grad = 2 * N * ffn * c
     # The final norm's output, gathered over the sequence for the lm_head (tp > 1: the gather's
     # output and its re-layout both exist for a moment).
     head_gather = Nl * D * c + (2 * N * D * c if tp > 1 else 0)
     act = {
         "end of forward": blocks_saved + Nl * D * (4 + c) + Nl * 4 + head_gather + inputs,
-        "loss": blocks_saved + head + loss_k * logits + inputs,
+        "loss": blocks_saved + head + loss_k * logits + loss_tokens + inputs,
         "last block backward": blocks_saved
         + (block - kept + ckpt if recomputes else 0)
         + ffn_grad

@@ -16,10 +16,12 @@ from hybrid2d.config import JobConfig
 from hybrid2d.mesh import build_mesh, init_distributed, shutdown_distributed
 
 
-def config(dp: int, tp: int) -> JobConfig:
-    """llama-debug as the recipe defines it (micro batch: the whole per-rank batch), fp32 CPU."""
+def config(dp: int, tp: int, ac: str = "none") -> JobConfig:
+    """llama-debug as the recipe defines it (micro batch: the whole per-rank batch), fp32 CPU,
+    with activation checkpointing `ac`."""
     cfg = recipes.get("llama-debug")
     cfg.parallel.dp_shard, cfg.parallel.tp = dp, tp
+    cfg.parallel.activation_checkpoint = ac
     cfg.train.device = "cpu"
     cfg.validate(dp * tp)
     return cfg
@@ -28,7 +30,7 @@ def config(dp: int, tp: int) -> JobConfig:
 def main():
     out, dp, tp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     steps = int(sys.argv[4]) if len(sys.argv) > 4 else 2
-    cfg = config(dp, tp)
+    cfg = config(dp, tp, sys.argv[5] if len(sys.argv) > 5 else "none")
     init_distributed("cpu", 300)
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
