@@ -570,6 +570,18 @@ def test_published_rows_are_predicted_within_15_percent():
         assert abs(error) <= 0.15, (row.label, f"{error:+.0%}")
 
 
+def test_published_active_peak_of_the_same_program_is_within_10_percent():
+    """The one published allocated-like (active) peak of a program that keeps what this trainer
+    keeps (torchtitan's FSDP2 commit: Llama 2 7B, 8-way FSDP, whole-block checkpointing): the
+    estimate within issue 13's 10% of it. The other memory rows measure other programs or
+    are unexplained; docs/planner.md lists them with their errors."""
+    from hybrid2d.planner.published import ROWS, predict_row
+
+    (row,) = [r for r in ROWS if r.memory_kind == "active" and r.tp == 1]
+    cand, _ = predict_row(row)
+    assert abs(cand.peak_gib / row.memory_gib - 1) <= 0.10, (cand.peak_gib, row.memory_gib)
+
+
 def test_profile_round_trips_and_bad_files_are_one_line(tmp_path):
     hw = hardware.get("h200")
     path = tmp_path / "hw.json"

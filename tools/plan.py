@@ -642,7 +642,10 @@ def published_section() -> str:
         if row.memory_gib:
             mem_err = (cand.peak_gib - row.memory_gib) / row.memory_gib
             mem_errors.append(abs(mem_err))
-            memory = f"{row.memory_gib:.1f} GiB | {cand.peak_gib:.1f} GiB | {mem_err:+.0%}"
+            memory = (
+                f"{row.memory_gib:.1f} GiB ({row.memory_kind}) | {cand.peak_gib:.1f} GiB | "
+                f"{mem_err:+.0%}"
+            )
         else:
             memory = f"not published | {cand.peak_gib:.1f} GiB | -"
         changes = ", ".join(

@@ -4,6 +4,9 @@ against (docs/planner.md). Each row says where it comes from and on what hardwar
 All rows are torchtitan's (PyTorch's reference trainer for the same FSDP2 + DTensor stack),
 bf16 without Float8 and without torch.compile (the rows that used them are left out). torchtitan
 trains Llama 3 at sequence length 8192 and Llama 2 at 4096; its MFU figures only agree with those.
+The two rows of the commit that moved torchtitan to FSDP2 (March 2024) are a Llama 2 7B at 2048
+and give the allocator's peak *active* bytes (what this trainer's estimate predicts, allocated
+blocks) beside the reserved peak; the later tables give the reserved peak only.
 
 Where torchtitan's program differs from this trainer's, `predict_row` prices torchtitan's:
 its selective checkpointing is op-level (it keeps every other matmul's output and recomputes
@@ -52,6 +55,18 @@ LLAMA2_13B = {
 }
 LLAMA2_70B = {**LLAMA2_13B, "dim": 8192, "n_layers": 80, "n_heads": 64, "n_kv_heads": 8}
 LLAMA2_70B["ffn_dim"] = 28672
+# torchtitan's "7B" of March 2024 (torchtrain/models/llama/__init__.py at the commit below): dim
+# 4096, 32 layers, 32 heads, SwiGLU hidden 2/3 x 4 x 4096 rounded up to 256 = 11008, the Llama 2
+# tokenizer's 32,000 tokens: Llama 2 7B's shape.
+LLAMA2_7B = {**LLAMA2_13B, "dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 32}
+LLAMA2_7B["ffn_dim"] = 11008
+TORCHTITAN_FSDP2_COMMIT = (
+    'torchtitan commit 83c879f (PR #165, "Used per-parameter FSDP", 2024-03-28), '
+    "https://github.com/pytorch/torchtitan/commit/83c879f18763611bda68586c45f0082fd568d646"
+)
+# Its message gives memory as % of the GPU's 95.0396 GiB: "peak active" is the caching
+# allocator's active_bytes.all.peak (torchtrain/metrics.py at that commit).
+TORCHTITAN_FSDP2_GPU_GIB = 95.0396
 
 
 @dataclass(frozen=True)
@@ -69,6 +84,7 @@ class Published:
     activation_checkpoint: str = "none"
     tokens_per_s_per_gpu: float = 0.0
     memory_gib: float | None = None
+    memory_kind: str = "reserved"  # the allocator's reserved peak, or "active" (allocated)
     notes: str = ""
     model_changes: dict = field(default_factory=dict)  # where the model is not the recipe's
     peak_range: tuple = ()  # other peak FLOP/s the published machine may have had
@@ -190,6 +206,52 @@ ROWS = [
         activation_checkpoint="full",
         tokens_per_s_per_gpu=353,
         notes="no memory figure published; network as above",
+    ),
+]
+
+
+ROWS += [
+    Published(
+        label="Llama 2 7B, 8 H100, FSDP 8, full AC",
+        source=TORCHTITAN_FSDP2_COMMIT + " (1D FSDP, eager, FSDP2 (AC))",
+        recipe="llama3.1-8b",
+        model_changes=LLAMA2_7B,
+        gpu="h100",
+        hardware_changes=GRAND_TETON,
+        nodes=1,
+        dp_shard=8,
+        local_batch=8,
+        seq_len=2048,
+        activation_checkpoint="full",
+        tokens_per_s_per_gpu=6200,  # "6100-6300 WPS" (per GPU)
+        memory_gib=0.2392 * TORCHTITAN_FSDP2_GPU_GIB,  # "23.92% peak active"
+        memory_kind="active",
+        peak_range=(H100_NVL_PEAK,),
+        notes="the same program as this trainer's where memory is concerned: whole-block "
+        "checkpointing, bf16 parameters with fp32 reduce-scatter, the last block not resharded "
+        "after forward, bf16 logits cast to fp32 for the loss; 95 GiB H100s as in the rows "
+        "above; 32.64% (31.0 GiB) peak reserved",
+    ),
+    Published(
+        label="Llama 2 7B, 8 H100, FSDP 4 x TP 2, full AC",
+        source=TORCHTITAN_FSDP2_COMMIT + " (2D FSDP, eager, FSDP2 (AC))",
+        recipe="llama3.1-8b",
+        model_changes=LLAMA2_7B,
+        gpu="h100",
+        hardware_changes=GRAND_TETON,
+        nodes=1,
+        dp_shard=4,
+        tp=2,
+        local_batch=16,
+        seq_len=2048,
+        activation_checkpoint="full",
+        tokens_per_s_per_gpu=5850,  # "5800-5900 WPS" (tokens / s / tp)
+        memory_gib=0.5012 * TORCHTITAN_FSDP2_GPU_GIB,  # "50.12% peak active"
+        memory_kind="active",
+        peak_range=(H100_NVL_PEAK,),
+        notes="sequence parallel and loss parallel as here; twice the 1D row's peak active "
+        "memory with the same kept block inputs per rank, which nothing in this trainer's "
+        "program accounts for (its own 2-D peaks are checked to 0.1% on CPU): not explained",
     ),
 ]
 
