@@ -25,11 +25,14 @@ def test_reshard_after_forward_false_matches_single_process(tmp_path):
     assert got["shm"]["dp"] == 6, got["shm"]
 
 
-def test_compiled_blocks_match_single_process(tmp_path):
-    """parallel.compile: each block under torch.compile (inductor on CPU), to the same 1e-5 as
-    the eager meshes (compiled kernels fuse fp32 arithmetic, but not beyond that)."""
+@pytest.mark.parametrize("ac", ["none", "full", "selective"])
+def test_compiled_blocks_match_single_process(tmp_path, ac):
+    """parallel.compile: each block under torch.compile (inductor on CPU), checkpointed or not,
+    to the same 1e-5 as the eager meshes (compiled kernels fuse fp32 arithmetic, but not beyond
+    that). Full checkpointing under compile once failed on its first step."""
     ref = train_single_process(tiny_config("sgd", 0.5))
-    got = run_parallel(tmp_path, 2, 2, "sgd", 0.5, settings=["--parallel.compile", "true"])
+    settings = ["--parallel.compile", "true", "--parallel.activation_checkpoint", ac]
+    got = run_parallel(tmp_path, 2, 2, "sgd", 0.5, settings=settings)
     assert_matches(got, ref)
 
 

@@ -23,7 +23,6 @@ from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
-    noop_context_fn,
 )
 
 MODES = ("none", "full", "selective")
@@ -80,12 +79,22 @@ def apply_ac(model: nn.Module, mode: str) -> None:
         raise ValueError(f"activation checkpointing {mode!r} is not one of {MODES}")
     if mode == "none":
         return
-    context = selective_context if mode == "selective" else noop_context_fn
+    checkpointed = _selective if mode == "selective" else _full
     for block in model.model.layers:
-        block.forward = functools.partial(_checkpointed, block.forward, context)
+        block.forward = functools.partial(checkpointed, block.forward)
 
 
-def _checkpointed(forward, context, *args, **kwargs):
+# Full checkpointing passes no context_fn: under torch.compile (torch 2.13) an explicit
+# `context_fn=noop_context_fn` that reaches checkpoint() as an argument stops Dynamo
+# ("checkpoint not implemented for LazyVariableTracker context_fn"), so parallel.compile with
+# full checkpointing failed on its first step.
+def _full(forward, *args, **kwargs):
     if not torch.is_grad_enabled():  # evaluation: nothing to keep or recompute
         return forward(*args, **kwargs)
-    return checkpoint(forward, *args, use_reentrant=False, context_fn=context, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def _selective(forward, *args, **kwargs):
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=selective_context, **kwargs)
