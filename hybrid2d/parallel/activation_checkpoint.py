@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 
 import torch
 from torch import nn
@@ -47,23 +46,30 @@ def _saved_ops() -> frozenset:
     return frozenset(ops)
 
 
-_state = threading.local()
+class _State:
+    # A plain class attribute, not a threading.local: torch.compile (Dynamo) cannot read a
+    # threading.local's attribute and ran every selective block on tp > 1 eagerly instead. A
+    # rank runs one forward at a time (recomputation happens inside backward, which the forward
+    # waits for), so one flag serves.
+    skip = False
 
 
 @contextlib.contextmanager
 def output_not_kept():
     """Around a matmul whose output only feeds a reduce-scatter (row-parallel o and down):
     backward needs neither, and the reduce-scatter's output is kept, so selective checkpointing
-    recomputes this matmul rather than keeping a full-sequence [b, s, dim] tensor."""
-    _state.skip = True
+    recomputes this matmul rather than keeping a full-sequence [b, s, dim] tensor. Eager only:
+    under torch.compile the policy runs when the graph is traced, after this flag is reset, so
+    compiled blocks keep both matmul outputs (profiling/estimate.py counts them)."""
+    _State.skip = True
     try:
         yield
     finally:
-        _state.skip = False
+        _State.skip = False
 
 
 def _policy(ctx, op, *args, **kwargs):
-    if op in _saved_ops() and not getattr(_state, "skip", False):
+    if op in _saved_ops() and not _State.skip:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 

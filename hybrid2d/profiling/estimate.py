@@ -228,8 +228,21 @@ def estimate(cfg: JobConfig, mesh: MeshShape, rank: int = 0, target: str = "cuda
     mlp = 4 * N * ffn * c
     block = norms + gathered + qkv + attn_out + mlp
     ckpt = Nl * D * c
+    if p.compile:
+        # torch.compile's partitioner keeps what backward needs and recomputes the rest: the
+        # block input, the norms' rstd, the attention's and the MLP's inputs, q/k/v, the
+        # attention output, the o projection's output (tp > 1: its reduce-scatter's), gate, up
+        # and their product; no fp32 copies and no silu(gate). Counted with saved-tensor hooks
+        # on CPU (tests/test_memory.py); on one H200 it gave the compiled peak to 0.1%.
+        block = ckpt + 2 * Nl * 4 + gathered + qkv + attn_out + Nl * D * c + 3 * N * ffn * c
     if p.activation_checkpoint == "full":
         kept = ckpt
+    elif p.activation_checkpoint == "selective" and p.compile:
+        # The policy's saved outputs that backward reads: the o output (tp = 1) is kept, the
+        # down output is not. On tp > 1 output_not_kept does not reach the traced policy, so
+        # both o and down keep their full-sequence matmul outputs beside the reduce-scatter's.
+        rows = ckpt if tp == 1 else gathered + 2 * N * D * c + Nl * D * c
+        kept = ckpt + qkv + attn_out + mlp // 2 + rows
     elif p.activation_checkpoint == "selective":
         # The block input plus the outputs of matmuls, attention and collectives: q/k/v, the
         # attention output, gate and up, and two [Nl, D] tensors (tp > 1: the two
