@@ -7,6 +7,7 @@ see the TP DTensors to shard them a second time).
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from hybrid2d.config import ParallelConfig
@@ -18,10 +19,19 @@ from hybrid2d.parallel.tensor_parallel import apply_tp
 
 def parallelize(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig) -> nn.Module:
     apply_tp(model, mesh.tp_mesh)
-    apply_ac(model, pcfg.activation_checkpoint)
-    if pcfg.compile:
+    if pcfg.compile and pcfg.activation_checkpoint == "full":
+        # Full checkpointing goes around the compiled block: compiled with the checkpoint
+        # inside, tp > 1 fails in AOTAutograd (torch 2.13: "expected all
+        # tensors_saved_with_vc_check to be Tensors", a DeviceMesh among them). Recomputation
+        # runs the compiled forward again, so nothing is lost.
         for block in model.model.layers:
-            block.compile()
+            block.forward = torch.compile(block.forward)
+        apply_ac(model, "full")
+    else:
+        apply_ac(model, pcfg.activation_checkpoint)
+        if pcfg.compile:
+            for block in model.model.layers:
+                block.compile()
     apply_fsdp(
         model,
         mesh.fsdp_mesh,

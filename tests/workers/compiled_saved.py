@@ -24,9 +24,11 @@ BATCH, SEQ = 2, 256
 
 
 def main():
-    out, ac, dtype = sys.argv[1], sys.argv[2], {"fp32": torch.float32, "bf16": torch.bfloat16}[
-        sys.argv[3]
-    ]
+    out, ac, dtype = (
+        sys.argv[1],
+        sys.argv[2],
+        {"fp32": torch.float32, "bf16": torch.bfloat16}[sys.argv[3]],
+    )
     init_distributed("cpu", 300)
     tp = dist.get_world_size()
     mesh = build_mesh("cpu", 1, 1, tp)
