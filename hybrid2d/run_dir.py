@@ -105,7 +105,8 @@ atexit.register(release_locks)
 
 
 def create_run_dir(cfg: JobConfig) -> str:
-    """Name, create, lock the run directory and write config.json (rank 0 only)."""
+    """Name, create and lock the run directory (rank 0 only). Its config.json is written by
+    `write_run_config` once the run has passed its checks."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     try:
         path = cfg.metrics.run_dir.format(recipe=cfg.recipe, time=stamp)
@@ -119,11 +120,18 @@ def create_run_dir(cfg: JobConfig) -> str:
     try:
         os.makedirs(path, exist_ok=True)
         acquire_lock(path)  # creating the lock file is the test that the directory is writable
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(cfg.to_dict(), f, indent=2)
     except OSError as e:
         raise ConfigError(
             f"metrics.run_dir={path} is not writable ({e.strerror}); choose a directory you "
             "can write to with --metrics.run_dir"
         ) from None
     return path
+
+
+def write_run_config(path: str, cfg: JobConfig) -> None:
+    """The run's config.json (rank 0), written only once data and any resume checkpoint have
+    been checked: a launch refused with a config error leaves an earlier run's file as it was."""
+    tmp = os.path.join(path, "config.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(cfg.to_dict(), f, indent=2)
+    os.replace(tmp, os.path.join(path, "config.json"))

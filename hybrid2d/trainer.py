@@ -43,7 +43,7 @@ from hybrid2d.planner.launch import apply_auto_plan, prediction, profile_for
 from hybrid2d.preemption import Preemption
 from hybrid2d.profiling.estimate import MeshShape
 from hybrid2d.profiling.profiler import MemoryProfiler
-from hybrid2d.run_dir import create_run_dir, release_locks
+from hybrid2d.run_dir import create_run_dir, release_locks, write_run_config
 
 
 def build_model(cfg: JobConfig, mesh: Mesh) -> Llama:
@@ -285,6 +285,8 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
     )
     if resume_from is not None:
         ckpt.load(resume_from)
+    if main:
+        write_run_config(run_dir, cfg)
     writer = MetricsWriter(run_dir if main else None, cfg.metrics.tensorboard)
     memory = MemoryProfiler(cfg, trainer, run_dir)  # --profile.memory / --profile.snapshot
     # SIGTERM/SIGUSR1: save at this step and stop; a rank that does not get there within

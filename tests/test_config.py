@@ -405,3 +405,42 @@ def test_retired_keys_on_the_command_line(capsys, monkeypatch, key):
         assert apply_overrides(cfg, [f"--{key}", "false"]) == {key}
     else:
         assert f"--{key} was removed" in _main_error(capsys, monkeypatch, f"--{key}", "true")
+
+
+def test_a_refused_launch_leaves_an_earlier_runs_config_json_alone(tmp_path):
+    """A launch into an existing run dir that fails its checks (here: data that does not
+    exist) exits 2 with one line and does not rewrite the earlier run's config.json."""
+    run = tmp_path / "run"
+    run.mkdir()
+    earlier = '{"earlier": "run"}'
+    (run / "config.json").write_text(earlier)
+    proc = run_cli(
+        "--data.path", str(tmp_path / "missing.txt"), "--metrics.run_dir", str(run), timeout=120
+    )
+    assert "missing.txt" in error_line(proc)
+    assert (run / "config.json").read_text() == earlier
+
+
+@pytest.mark.slow
+def test_torchrun_config_error_prints_its_line_whichever_rank_exits_first():
+    """Every rank finds the same bad mesh; rank 0 prints it. Other ranks used to exit at once,
+    and torchrun, seeing one of them fail first, could stop rank 0 before its line."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "4",
+            "recipes/llama.py",
+            "--parallel.tp",
+            "3",
+        ],  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert proc.returncode != 0
+    assert len(lines) == 1 and "parallel.tp" in lines[0], proc.stderr[-3000:]
