@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -66,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FloatingPointError) as e:  # FloatingPointError: trainer.NonFiniteError
         if rank == 0:  # the message names the setting, or the step that was not finite
             print(f"error: {e}", file=sys.stderr, flush=True)
+        else:
+            # Every rank found the same error; give rank 0 the time to print it before
+            # torchrun, seeing this rank exit first, stops rank 0 and the line is lost.
+            time.sleep(2)
         return 2 if isinstance(e, ConfigError) else 3
     return 0
 

@@ -389,3 +389,15 @@ def test_tools_refuse_bad_checkpoints_with_one_line(straight, tmp_path, capsys, 
     assert mod.main([str(bad), *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert "__3_0.distcp is 1000 bytes" in err and "\n" not in err
+
+
+@pytest.mark.parametrize("temperature", ["nan", "inf", "-1"])
+def test_generate_refuses_a_temperature_that_is_not_a_finite_number_from_0(
+    tmp_path, capsys, temperature
+):
+    """Checked before the checkpoint is read: nan ended in torch.multinomial's traceback, inf
+    sampled uniformly."""
+    with pytest.raises(SystemExit) as e:
+        tool("generate").main([str(tmp_path), "--prompt", "a", "--temperature", temperature])
+    assert e.value.code == 2
+    assert "--temperature" in capsys.readouterr().err

@@ -231,6 +231,9 @@ def test_memory_report_cli_estimates_and_says_what_fits(tmp_path, capsys):
     assert (out / "memory_report.md").exists() and (out / "memory_report.html").exists()
     assert memory_report.main(["--recipe", "llama-debug", "--mesh", "3x3"]) == 2
     assert "error:" in capsys.readouterr().err
+    assert memory_report.main(["--run-dir", str(tmp_path / "no-run")]) == 2  # was a traceback
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --run-dir") and "no config.json" in err and "\n" not in err
 
 
 # ---- slow: real 4-process runs, simulation --------------------------------------------------

@@ -673,6 +673,16 @@ def test_bad_arguments_are_one_line_and_exit_2(argv, message, capsys):
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
 
 
+def test_no_valid_mesh_says_why_rather_than_nothing_fits(capsys):
+    """3 GPUs split neither 32 heads nor a batch of 64: the planner says so (exit 0, nothing
+    to launch), not that memory ran out."""
+    plan_tool = load_tool("plan")
+    argv = ["--recipe", "llama3.1-8b", "--nodes", "1", "--gpus-per-node", "3", "--gpu", "h100"]
+    assert plan_tool.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "no valid plan: " in out and "nothing fits" not in out, out
+
+
 def test_cli_exit_code_and_json_fields(tmp_path):
     out = tmp_path / "plan.json"
     bad = subprocess.run(

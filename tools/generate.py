@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -41,8 +42,8 @@ def parse(argv):
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         p.error(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
-    if args.temperature < 0:
-        p.error(f"--temperature {args.temperature} must be >= 0 (0: greedy)")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        p.error(f"--temperature {args.temperature} must be a finite number >= 0 (0: greedy)")
     if args.top_k < 0:
         p.error(f"--top-k {args.top_k} must be >= 0 (0: no limit)")
     if args.chat is not None and args.prompt:

@@ -145,6 +145,11 @@ def run(args, rest: list[str]) -> int:
     measured: list[dict] = []
     run_mesh = None
     if args.run_dir:
+        if not os.path.isfile(os.path.join(args.run_dir, "config.json")):
+            raise ConfigError(
+                f"--run-dir {args.run_dir} has no config.json: give a run directory that "
+                "recipes/llama.py wrote"
+            )
         with open(os.path.join(args.run_dir, "config.json")) as f:
             cfg = JobConfig.from_dict(json.load(f))
         measured = load_measured(args.run_dir)
