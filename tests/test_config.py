@@ -444,3 +444,20 @@ def test_torchrun_config_error_prints_its_line_whichever_rank_exits_first():
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert proc.returncode != 0
     assert len(lines) == 1 and "parallel.tp" in lines[0], proc.stderr[-3000:]
+
+
+def test_training_afresh_beside_another_runs_checkpoints_is_refused(tmp_path):
+    """Without --checkpoint.resume, a run dir that holds checkpoints is not trained into again
+    from step 0 (its checkpoints/ would mix two runs): one line naming both ways out."""
+    run = tmp_path / "run"
+    first = run_cli("--train.steps", "2", "--metrics.run_dir", str(run), timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = run_cli("--train.steps", "4", "--metrics.run_dir", str(run), timeout=120)
+    line = error_line(again)
+    assert "already holds checkpoints (latest step-0000002)" in line, line
+    assert "--checkpoint.resume auto" in line
+    resumed = run_cli(
+        "--train.steps", "4", "--metrics.run_dir", str(run), "--checkpoint.resume", "auto",
+        timeout=300,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-2000:]

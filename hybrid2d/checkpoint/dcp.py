@@ -95,6 +95,16 @@ def find_resume(cfg: JobConfig, run_dir: str | os.PathLike) -> Path | None:
     are built, so a bad checkpoint costs seconds."""
     setting = cfg.checkpoint.resume
     if not setting:
+        # Training afresh beside another run's checkpoints would mix two runs in one
+        # checkpoints/ (and move `latest` to the new one): refuse, naming both ways out.
+        earlier, error = _checked(layout.latest_in_run, run_dir)
+        if earlier is not None:
+            error = (
+                f"metrics.run_dir={run_dir} already holds checkpoints (latest {earlier.name}); "
+                "continue that run with --checkpoint.resume auto, or train afresh in another "
+                "--metrics.run_dir"
+            )
+        agree(error)
         return None
 
     def locate() -> Path | None:
