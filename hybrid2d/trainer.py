@@ -356,19 +356,26 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
         writer.close()
     wall = time.perf_counter() - wall_start
     memory.write_report()
-    peaks = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, peak_memory_bytes(mesh.device))
+    # Each rank's peak (the CUDA allocator's, else process RSS) and the peak of its tensors where
+    # one was measured (CUDA: the same; elsewhere --profile.memory's tracker), which the plan's
+    # tensor estimate can be compared with; RSS also counts the interpreter and libraries.
+    on_cuda = mesh.device.type == "cuda"
+    own = peak_memory_bytes(mesh.device)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (own, own if on_cuda else memory.tensor_peak()))
+    peaks = [peak for peak, _ in gathered]
+    tensor_peaks = [tensors for _, tensors in gathered]
     # Skip the first steps (allocation, warm-up) when there are enough to measure steady state.
     steady = times[3:] if len(times) > 6 else times
     if "error" not in plan and steady:
-        measured_step, measured_peak = sum(steady) / len(steady), max(peaks)
-        plan.update(
-            measured_step_s=measured_step,
-            step_error=plan["step_s"] / measured_step - 1,
-            measured_peak_bytes=measured_peak,
-            peak_error=plan["peak_bytes"] / measured_peak - 1,
-            peak_measured_as="tensors (CUDA allocator)" if mesh.device.type == "cuda" else "RSS",
-        )
+        measured_step = sum(steady) / len(steady)
+        plan.update(measured_step_s=measured_step, step_error=plan["step_s"] / measured_step - 1)
+        if all(tensor_peaks):
+            plan.update(
+                measured_peak_bytes=max(tensor_peaks),
+                peak_error=plan["peak_bytes"] / max(tensor_peaks) - 1,
+                peak_measured_as="tensors, " + ("CUDA allocator" if on_cuda else "profile.memory"),
+            )
     summary = {
         "recipe": cfg.recipe,
         "mesh": {"dp_replicate": mesh.dp_replicate, "dp_shard": mesh.dp_shard, "tp": mesh.tp},
@@ -397,11 +404,16 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
 
 
 def _plan_line(p: dict) -> str:
+    if "peak_error" in p:
+        memory = (
+            f"{p['peak_error']:+.0%} of the measured {p['measured_peak_bytes'] / 2**30:.3g}, "
+            f"{p['peak_measured_as']}"
+        )
+    else:
+        memory = "tensors not measured: --profile.memory measures them off CUDA"
     return (
         f"  planned        {p['step_s']:.3g} s/step ({p['step_error']:+.0%} of the measured "
-        f"{p['measured_step_s']:.3g}), {p['peak_bytes'] / 2**30:.3g} GiB/rank ("
-        f"{p['peak_error']:+.0%} of the measured {p['measured_peak_bytes'] / 2**30:.3g}, "
-        f"{p['peak_measured_as']})"
+        f"{p['measured_step_s']:.3g}), {p['peak_bytes'] / 2**30:.3g} GiB/rank ({memory})"
     )
 
 

@@ -411,6 +411,12 @@ def test_trainer_profile_memory_writes_json_tensorboard_and_report(tmp_path):
     page = (run_dir / "memory" / "memory_report.html").read_text()
     ET.fromstring(page.split("\n", 1)[1])
     assert "measured" in page and "estimated" in page
+    # The summary compares the plan's peak with the tracked tensors' peak, not with RSS.
+    plan = json.loads((run_dir / "summary.json").read_text())["plan"]
+    tracked = max(s["peak"] for r in ranks for s in r["steps"])
+    assert plan["peak_measured_as"] == "tensors, profile.memory"
+    assert plan["measured_peak_bytes"] == tracked
+    assert abs(plan["peak_error"]) < 0.01, plan
 
 
 COMPILED_BLOCKS = [

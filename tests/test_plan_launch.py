@@ -72,5 +72,6 @@ def test_run_prints_and_records_prediction_and_measurement(tmp_path):
     summary = json.loads(next(tmp_path.glob("runs/*/summary.json")).read_text())
     plan = summary["plan"]
     assert plan["hardware"] == "cpu" and plan["step_s"] > 0 and plan["peak_bytes"] > 0
-    assert plan["measured_peak_bytes"] == max(summary["peak_memory_bytes_per_rank"])
+    # On CPU the run's peak is process RSS, which the tensor estimate is not compared with.
+    assert "peak_error" not in plan and "tensors not measured" in proc.stdout
     assert plan["step_error"] == pytest.approx(plan["step_s"] / plan["measured_step_s"] - 1)

@@ -64,6 +64,10 @@ class MemoryProfiler:
             yield
         self.records.append(result[0].to_dict())
 
+    def tensor_peak(self) -> int | None:
+        """This rank's largest tensor peak over the measured steps (None when not enabled)."""
+        return max((r["peak"] for r in self.records), default=None) if self.enabled else None
+
     def scalars(self) -> dict[str, float]:
         """memory/* figures of the last measured step of this rank, in GiB."""
         if not self.enabled or not self.records:
