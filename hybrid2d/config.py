@@ -163,6 +163,9 @@ class ParallelConfig:
     # h200, a100-80gb, b200, cpu), a JSON file from tools/plan.py --calibrate, or "" for this
     # machine's (its CUDA device's preset, else an uncalibrated CPU guess).
     plan_hardware: str = ""
+    # Refuse to start (before data and model are built) when the planned peak per rank exceeds
+    # the memory a rank has here: the CUDA device's, or on CPU the host's RAM over its ranks.
+    check_memory: bool = True
 
 
 @dataclass

@@ -221,7 +221,10 @@ def run(cfg: JobConfig, set_on_cli: frozenset[str] | set[str] = frozenset()) -> 
         mesh = build_mesh(device_type, dp_rep, dp_shard, tp)
         if plan_line:
             print0(plan_line)
-        return _train(cfg, mesh, planned(cfg, mesh, hw, per_node))
+        plan = planned(cfg, mesh, hw, per_node)
+        if cfg.parallel.check_memory:
+            check_planned_memory(plan, mesh, per_node)  # the same verdict on every rank
+        return _train(cfg, mesh, plan)
     except (ConfigError, FloatingPointError):
         raise  # raised on every rank together (mesh.agree, the same non-finite branch)
     except BaseException as e:
@@ -244,6 +247,30 @@ def planner_profile(cfg: JobConfig, device_type: str) -> Hardware:
         return profile_for(cfg.parallel.plan_hardware, device_type)
     except ConfigError as e:
         raise ConfigError(f"parallel.plan_hardware={cfg.parallel.plan_hardware!r}: {e}") from None
+
+
+def memory_per_rank(device: torch.device, ranks_on_host: int) -> tuple[int, str]:
+    """(bytes, what) a rank may use: its CUDA device's memory, or the host's RAM shared by
+    the ranks on it."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory, "the CUDA device's"
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return ram // max(ranks_on_host, 1), f"this host's RAM over its {ranks_on_host} rank(s)"
+
+
+def check_planned_memory(plan: dict, mesh: Mesh, ranks_on_host: int) -> None:
+    """ConfigError when the plan's peak per rank is more than a rank has: the run would end in
+    an out-of-memory error (or the OOM killer) after data and model were built."""
+    if "peak_bytes" not in plan:
+        return
+    have, what = memory_per_rank(mesh.device, ranks_on_host)
+    if plan["peak_bytes"] > have:
+        raise ConfigError(
+            f"the plan puts this run's peak at {plan['peak_bytes'] / 2**30:.3g} GiB per rank, "
+            f"more than {what} {have / 2**30:.3g} GiB; use more ranks (dp_shard or tp), "
+            "--parallel.activation_checkpoint full or a smaller --train.micro_batch "
+            "(tools/plan.py ranks what fits), or --parallel.check_memory false to try anyway"
+        )
 
 
 def planned(cfg: JobConfig, mesh: Mesh, hw: Hardware, per_node: int) -> dict:

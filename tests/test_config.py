@@ -461,3 +461,18 @@ def test_training_afresh_beside_another_runs_checkpoints_is_refused(tmp_path):
         timeout=300,
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-2000:]
+
+
+def test_a_run_whose_planned_peak_exceeds_the_hosts_memory_is_refused_before_building():
+    """llama-debug with one micro batch of 8,192 sequences plans 260 GiB a rank, more than this
+    host has: one line naming the ways out, exit 2, in seconds (it used to build data and die
+    allocating, or meet the OOM killer)."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    batch = ["--train.global_batch", "8192", "--train.micro_batch", "8192"]
+    cfg = recipes.get("llama-debug")
+    apply_overrides(cfg, batch)
+    from hybrid2d.profiling.estimate import MeshShape, estimate
+
+    assert estimate(cfg, MeshShape(1, 1, 1), target="cpu").peak > ram  # the premise
+    line = error_line(run_cli(*batch, "--train.steps", "1", timeout=120))
+    assert "more than this host's RAM" in line and "--parallel.check_memory false" in line
