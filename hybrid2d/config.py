@@ -15,6 +15,7 @@ import difflib
 import functools
 import io
 import math
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
@@ -540,6 +541,40 @@ def _bool_rule(info) -> PrimitiveConstructorSpec | None:
     )
 
 
+def _number_rule(kind: type, word: str):
+    """Numbers whose refusal reads as one: `'abc' is not a whole number` rather than Python's
+    `invalid literal for int() with base 10`. Whole numbers may be written 1e3."""
+
+    def rule(info) -> PrimitiveConstructorSpec | None:
+        if info.type is not kind:
+            return None
+
+        def parse(args: list[str]):
+            try:
+                value = float(args[0])
+            except ValueError:
+                raise ValueError(f"{args[0]!r} is not {word}") from None
+            if kind is int:
+                if not value.is_integer():
+                    raise ValueError(f"{args[0]!r} is not {word}")
+                return int(args[0]) if args[0].lstrip("+-").isdigit() else int(value)
+            return value
+
+        return PrimitiveConstructorSpec(
+            nargs=1,
+            metavar=kind.__name__.upper(),
+            instance_from_str=parse,
+            is_instance=lambda x: isinstance(x, kind) and not isinstance(x, bool),
+            str_from_instance=lambda x: [str(x)],
+        )
+
+    return rule
+
+
+_REGISTRY.primitive_rule(_number_rule(int, "a whole number"))
+_REGISTRY.primitive_rule(_number_rule(float, "a number"))
+
+
 def _cli(cfg: JobConfig, args: list[str], **kwargs):
     """tyro over JobConfig with cfg's values as the defaults."""
     return tyro.cli(
@@ -580,7 +615,7 @@ def apply_overrides(cfg: JobConfig, args: list[str]) -> set[str]:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             parsed, unknown = _cli(cfg, list(args), add_help=False, return_unknown_args=True)
     except SystemExit:
-        raise ConfigError(_tyro_error(err.getvalue() + out.getvalue())) from None
+        raise ConfigError(_choice_error(_tyro_error(err.getvalue() + out.getvalue()))) from None
     if unknown:
         raise _unknown(unknown[0])
     names = {a[2:].partition("=")[0].replace("-", "_") for a in args if a.startswith("--")}
@@ -590,6 +625,22 @@ def apply_overrides(cfg: JobConfig, args: list[str]) -> set[str]:
         check_range(name, value)
         setattr(getattr(cfg, section) if section else cfg, key, value)
     return names
+
+
+def _choice_error(message: str) -> str:
+    """tyro's refusal of a Literal choice, in the form of the other errors and with the closest
+    valid choice: "--parallel.activation_checkpoint: 'fulll' is not one of none, full,
+    selective; did you mean full?"."""
+    match = re.fullmatch(
+        r"invalid choice '(.*)' for argument '(--[\w.]+)'\. Expected one of \((.*)\)\.?", message
+    )
+    if not match:
+        return message
+    value, flag, listed = match.groups()
+    choices = [c.strip().strip("'\"") for c in listed.split(",") if c.strip()]
+    close = difflib.get_close_matches(value, choices, n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    return f"{flag}: {value!r} is not one of {', '.join(choices)}{hint}"
 
 
 def _unknown(arg: str) -> ConfigError:
