@@ -225,3 +225,12 @@ def test_instruction_run_with_validation_reports_everywhere(chat_dirs, tmp_path)
     cfg.checkpoint.init_from = f"dcp:{step}"
     adopt_source_model(cfg, set())
     assert cfg.data.tokenizer == str(step) and cfg.model.vocab_size == 384
+
+
+def test_init_from_a_path_that_is_no_checkpoint_names_the_setting(tmp_path):
+    cfg = JobConfig(recipe="test")
+    cfg.checkpoint.init_from = f"dcp:{tmp_path / 'nope'}"
+    with pytest.raises(ConfigError) as e:
+        adopt_source_model(cfg, set())
+    assert str(e.value).startswith(f"checkpoint.init_from=dcp:{tmp_path / 'nope'}: "), e.value
+    assert "is not a directory" in str(e.value)

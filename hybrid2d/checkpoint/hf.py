@@ -41,7 +41,7 @@ from hybrid2d.checkpoint.reader import (
     read_saved_block,
     saved_tensor,
 )
-from hybrid2d.config import JobConfig, ModelConfig
+from hybrid2d.config import ConfigError, JobConfig, ModelConfig
 from hybrid2d.models.llama import rope_inv_freq
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
@@ -463,6 +463,15 @@ def adopt_source_model(cfg: JobConfig, set_on_cli: set[str]) -> None:
     becomes data.tokenizer unless data.tokenizer is set; a checkpoint without one and no
     data.tokenizer is an error, since a newly trained tokenizer's ids mean nothing to it.
     """
+    try:
+        _adopt_source_model(cfg, set_on_cli)
+    except ConfigError as e:  # name the setting the user gave, once
+        if "checkpoint.init_from" in str(e):
+            raise
+        raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from}: {e}") from None
+
+
+def _adopt_source_model(cfg: JobConfig, set_on_cli: set[str]) -> None:
     kind, path = parse_init_from(cfg.checkpoint.init_from)
     source = cfg.checkpoint.init_from
     if kind == "hf":
