@@ -19,8 +19,9 @@ import json
 import os
 import socket
 import time
+from pathlib import Path
 
-from hybrid2d.checkpoint.layout import find_run_to_resume
+from hybrid2d.checkpoint.layout import find_run_to_resume, write_text_atomic
 from hybrid2d.config import ConfigError, JobConfig
 
 LOCK_NAME = ".lock"
@@ -131,7 +132,4 @@ def create_run_dir(cfg: JobConfig) -> str:
 def write_run_config(path: str, cfg: JobConfig) -> None:
     """The run's config.json (rank 0), written only once data and any resume checkpoint have
     been checked: a launch refused with a config error leaves an earlier run's file as it was."""
-    tmp = os.path.join(path, "config.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(cfg.to_dict(), f, indent=2)
-    os.replace(tmp, os.path.join(path, "config.json"))
+    write_text_atomic(Path(path) / "config.json", json.dumps(cfg.to_dict(), indent=2))

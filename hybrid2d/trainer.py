@@ -38,7 +38,7 @@ from hybrid2d.models.llama import Llama
 from hybrid2d.optim import build_optimizer, build_scheduler, clip_grad_norm
 from hybrid2d.parallel import parallelize
 from hybrid2d.parallel.loss import cross_entropy, loss_tokens
-from hybrid2d.planner.hardware import Hardware
+from hybrid2d.planner.hardware import Hardware, host_memory_bytes
 from hybrid2d.planner.launch import apply_auto_plan, prediction, profile_for
 from hybrid2d.preemption import Preemption
 from hybrid2d.profiling.estimate import MeshShape
@@ -254,8 +254,8 @@ def memory_per_rank(device: torch.device, ranks_on_host: int) -> tuple[int, str]
     the ranks on it."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory, "the CUDA device's"
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return ram // max(ranks_on_host, 1), f"this host's RAM over its {ranks_on_host} rank(s)"
+    share = host_memory_bytes() // max(ranks_on_host, 1)
+    return share, f"this host's RAM over its {ranks_on_host} rank(s)"
 
 
 def check_planned_memory(plan: dict, mesh: Mesh, ranks_on_host: int) -> None:

@@ -259,18 +259,15 @@ def run_plan(args, cfg: JobConfig, hw: hwlib.Hardware) -> int:
         with open(args.json, "w") as f:
             json.dump([c.to_dict() for c in result.candidates], f, indent=1)
     best = result.best
-    if best is None and not result.candidates:
-        # No mesh is valid at all: say why (the first reason), not that memory ran out.
-        why = result.rejected[0].reason if result.rejected else "no mesh"
-        print(f"\nno valid plan: {why} (every mesh: --show-rejected)", flush=True)
-        if args.emit_accelerate_config:
-            print("error: no valid plan, so no accelerate config was written", file=sys.stderr)
-            return 1
-        return 0
     if best is None:
-        print("\nnothing fits: use more GPUs, a smaller --seq-len, or more memory", flush=True)
+        if result.candidates:
+            said, short = "nothing fits: use more GPUs, a smaller --seq-len, or more memory", "fits"
+        else:  # no mesh is valid at all: say why (the first reason), not that memory ran out
+            why = result.rejected[0].reason if result.rejected else "no mesh"
+            said, short = f"no valid plan: {why} (every mesh: --show-rejected)", "is valid"
+        print(f"\n{said}", flush=True)
         if args.emit_accelerate_config:
-            print("error: no plan fits, so no accelerate config was written", file=sys.stderr)
+            print(f"error: no plan {short}, so no accelerate config was written", file=sys.stderr)
             return 1
         return 0
     flags = launch_flags(best, cfg, args)

@@ -411,13 +411,18 @@ PRESETS: dict[str, Hardware] = {
 }
 
 
+def host_memory_bytes() -> int:
+    """This host's physical RAM (16 GiB where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 * GiB
+
+
 def cpu_guess() -> Hardware:
     """A rough profile of this CPU host, for planning before `--calibrate` has been run."""
     cores = os.cpu_count() or 1
-    try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        memory = 16 * GiB
+    memory = host_memory_bytes()
     guess = "rough guess for an x86-64 core; measure with tools/plan.py --calibrate --device cpu"
     return Hardware(
         name="cpu",
