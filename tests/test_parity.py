@@ -18,8 +18,9 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def run_parallel(tmp_path, dp, tp, optimizer, clip, dp_replicate=1, settings=()):
     out = tmp_path / f"{dp}x{tp}-{optimizer}.pt"
     args = ["tests/workers/parity.py", str(out), str(dp), str(tp), optimizer, str(clip)]
-    check_ok(run_ranks(dp * tp, args + [str(dp_replicate), *settings]))
-    return torch.load(out)
+    results = run_ranks(dp * tp, args + [str(dp_replicate), *settings])
+    check_ok(results)
+    return {**torch.load(out), "stderr": [r.stderr for r in results]}
 
 
 def assert_matches(got, ref, rtol=1e-5):

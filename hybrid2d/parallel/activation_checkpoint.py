@@ -13,8 +13,8 @@ compute and all of its communication is in the saved ops, so backward repeats no
 
 from __future__ import annotations
 
-import contextlib
 import functools
+import logging
 
 import torch
 from torch import nn
@@ -46,37 +46,45 @@ def _saved_ops() -> frozenset:
     return frozenset(ops)
 
 
-class _State:
-    # A plain class attribute, not a threading.local: torch.compile (Dynamo) cannot read a
-    # threading.local's attribute and ran every selective block on tp > 1 eagerly instead. A
-    # rank runs one forward at a time (recomputation happens inside backward, which the forward
-    # waits for), so one flag serves.
-    skip = False
+def mark_output_not_kept(x: torch.Tensor) -> torch.Tensor:
+    """`x`, through an alias: the next matmul (the one on `x`) is recomputed by selective
+    checkpointing rather than kept. For a row-parallel matmul (o and down) whose output only
+    feeds a reduce-scatter: backward needs neither, and the reduce-scatter's output is kept, so
+    keeping the full-sequence [b, s, dim] product would be waste.
 
-
-@contextlib.contextmanager
-def output_not_kept():
-    """Around a matmul whose output only feeds a reduce-scatter (row-parallel o and down):
-    backward needs neither, and the reduce-scatter's output is kept, so selective checkpointing
-    recomputes this matmul rather than keeping a full-sequence [b, s, dim] tensor. Eager only:
-    under torch.compile the policy runs when the graph is traced, after this flag is reset, so
-    compiled blocks keep both matmul outputs (profiling/estimate.py counts them)."""
-    _State.skip = True
-    try:
-        yield
-    finally:
-        _State.skip = False
-
-
-def _policy(ctx, op, *args, **kwargs):
-    if op in _saved_ops() and not _State.skip:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+    The mark is an op (aten.alias, which nothing else in a block calls) rather than a Python
+    flag around the matmul, because under torch.compile the policy runs while the graph is
+    traced, where only ops are seen: a flag had been reset by then, and compiled blocks kept
+    both products."""
+    return torch.ops.aten.alias.default(x)
 
 
 def selective_context():
-    """context_fn for torch.utils.checkpoint: save matmul, attention and collective outputs."""
-    return create_selective_checkpoint_contexts(_policy)
+    """context_fn for torch.utils.checkpoint: save matmul, attention and collective outputs,
+    except a matmul marked by `mark_output_not_kept`. One policy per checkpointed call, so the
+    mark never leaks between blocks; forward and recomputation see the same op sequence."""
+    saved, marked = _saved_ops(), [False]
+    not_kept = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+
+    def policy(ctx, op, *args, **kwargs):
+        if op is torch.ops.aten.alias.default:
+            marked[0] = True
+        elif op in not_kept and marked[0]:
+            marked[0] = False
+        elif op in saved:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+class _InPlaceAdvice(logging.Filter):
+    """Drops torch.compile's once-per-rank advice that a checkpointed region with a context_fn
+    must hold no in-place ops: our blocks hold none, and every compiled selective run printed it
+    on every rank."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()
 
 
 def apply_ac(model: nn.Module, mode: str) -> None:
@@ -85,6 +93,11 @@ def apply_ac(model: nn.Module, mode: str) -> None:
         raise ValueError(f"activation checkpointing {mode!r} is not one of {MODES}")
     if mode == "none":
         return
+    if mode == "selective":
+        # The module that warns (torch 2.13); no public switch for this one message.
+        advice = logging.getLogger("torch._higher_order_ops.wrap")
+        if not any(isinstance(f, _InPlaceAdvice) for f in advice.filters):
+            advice.addFilter(_InPlaceAdvice())
     checkpointed = _selective if mode == "selective" else _full
     for block in model.model.layers:
         block.forward = functools.partial(checkpointed, block.forward)

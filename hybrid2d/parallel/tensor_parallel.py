@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from hybrid2d.models.llama import RMSNorm, rms_norm
-from hybrid2d.parallel.activation_checkpoint import output_not_kept
+from hybrid2d.parallel.activation_checkpoint import mark_output_not_kept
 from hybrid2d.parallel.sequence_comm import (
     gather_sequence,
     reduce_scatter_sequence,
@@ -94,8 +94,8 @@ class _ColumnParallelForward:
 
 class _RowParallelForward:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with output_not_kept():  # only the reduce-scatter reads it (selective checkpointing)
-            partial = F.linear(x, self.weight.to_local())
+        # Only the reduce-scatter reads the partial sums: selective checkpointing recomputes them.
+        partial = F.linear(mark_output_not_kept(x), self.weight.to_local())
         return reduce_scatter_sequence(partial, _tp_group(self.weight))
 
 

@@ -239,16 +239,16 @@ def estimate(cfg: JobConfig, mesh: MeshShape, rank: int = 0, target: str = "cuda
         kept = ckpt
     elif p.activation_checkpoint == "selective" and p.compile:
         # The policy's saved outputs that backward reads: the o output (tp = 1) is kept, the
-        # down output is not. On tp > 1 output_not_kept does not reach the traced policy, so
-        # both o and down keep their full-sequence matmul outputs beside the reduce-scatter's.
-        rows = ckpt if tp == 1 else gathered + 2 * N * D * c + Nl * D * c
+        # down output is not; on tp > 1 the sequence gathers and one reduce-scatter's output
+        # (the o and down products are marked not kept, as in eager).
+        rows = ckpt if tp == 1 else gathered + Nl * D * c
         kept = ckpt + qkv + attn_out + mlp // 2 + rows
     elif p.activation_checkpoint == "selective":
         # The block input plus the outputs of matmuls, attention and collectives: q/k/v, the
         # attention output, gate and up, and two [Nl, D] tensors (tp > 1: the two
         # reduce-scatters, whose o and down matmuls are recomputed, see
-        # activation_checkpoint.output_not_kept; tp = 1: the o and down outputs). The attention's
-        # and the MLP's inputs are kept only where a collective made them (tp > 1: the
+        # activation_checkpoint.mark_output_not_kept; tp = 1: the o and down outputs). The
+        # attention's and the MLP's inputs are kept only where a collective made them (tp > 1: the
         # sequence gathers); on tp = 1 they are the norms' outputs, recomputed.
         kept = ckpt + (gathered if tp > 1 else 0) + qkv + attn_out + mlp // 2 + 2 * Nl * D * c
     else:
