@@ -242,7 +242,8 @@ class MetricsConfig:
     log_every: Annotated[int, _AT_LEAST_1] = 1
     # Write TensorBoard events under the run directory.
     tensorboard: bool = True
-    # Show a progress bar on rank 0.
+    # Show progress on rank 0: a bar on a terminal; where stderr is not one (a log file), a
+    # line per logged step (loss, lr, grad norm, tokens/s).
     progress_bar: bool = True
 
 

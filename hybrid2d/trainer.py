@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -193,12 +194,42 @@ class Trainer:
 # ---- the whole run --------------------------------------------------------------------------
 
 
-def _progress(total: int, enabled: bool):
+class _Bar:
+    """A progress bar on rank 0's terminal."""
+
+    def __init__(self, total: int):
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
+
+    def show(self, step: int, figures: dict, logged: bool) -> None:
+        self._bar.set_postfix(figures)
+        self._bar.update(1)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+class _Lines:
+    """Where stderr is no terminal (a log file, a batch system), a bar's carriage returns make
+    one endless line: a plain line per logged step instead."""
+
+    def __init__(self, total: int):
+        self._total = total
+
+    def show(self, step: int, figures: dict, logged: bool) -> None:
+        if logged:
+            shown = "  ".join(f"{k} {v}" for k, v in figures.items())
+            print(f"step {step}/{self._total}  {shown}", flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, enabled: bool) -> _Bar | _Lines | None:
     if not enabled or dist.get_rank() != 0:
         return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
+    return _Bar(total) if sys.stderr.isatty() else _Lines(total)
 
 
 def run(cfg: JobConfig, set_on_cli: frozenset[str] | set[str] = frozenset()) -> dict:
@@ -336,7 +367,8 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
             losses.append(result.loss)
             times.append(result.seconds)
             tps = tokens_per_step / result.seconds
-            if result.step % cfg.metrics.log_every == 0 or result.step == cfg.train.steps:
+            logged = result.step % cfg.metrics.log_every == 0 or result.step == cfg.train.steps
+            if logged:
                 writer.scalars(
                     result.step,
                     {
@@ -357,12 +389,16 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
                 if bar is None:
                     print0(f"step {result.step}: val/loss {val_loss:.4f}, val/ppl {val_ppl:.2f}")
             if bar is not None:
-                post = {"loss": f"{result.loss:.4f}", "tok_s": f"{tps:,.0f}"}
+                post = {
+                    "loss": f"{result.loss:.4f}",
+                    "lr": f"{result.lr:.2e}",
+                    "grad_norm": f"{result.grad_norm:.3f}",
+                    "tok_s": f"{tps:,.0f}",
+                }
                 if evals:
                     post["val_loss"] = f"{evals[-1]['loss']:.4f}"
                     post["val_ppl"] = f"{evals[-1]['ppl']:.2f}"
-                bar.set_postfix(post)
-                bar.update(1)
+                bar.show(result.step, post, logged or (evals and evals[-1]["step"] == result.step))
             preemption.progress()  # a save may follow: timeout_s for it, not since the signal
             ckpt.maybe_save(trainer.step)
             if trainer.step == cfg.checkpoint.stop_after:

@@ -50,6 +50,9 @@ def test_accelerate_launch_2x2_trains(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "dp_shard=2 x tp=2" in proc.stdout
+    # A log file gets a line per step (stderr is no terminal), and no Python warning.
+    assert "step 30/30  loss " in proc.stdout
+    assert "Warning" not in proc.stderr and "\r" not in proc.stderr, proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
     losses = summary["losses"]
