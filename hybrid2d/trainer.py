@@ -141,14 +141,14 @@ class Trainer:
         # Every rank sees the same global loss and norm, so all take the same branch.
         loss = self.dp_sum(loss_sum)
         lr = self.optimizer.param_groups[0]["lr"]
-        self.step += 1
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if not finite and self.cfg.train.on_nonfinite == "stop":
             raise NonFiniteError(
-                f"step {self.step}: loss {loss}, grad norm {grad_norm} is not finite; stopped "
-                "before the update (no checkpoint holds this state); train.on_nonfinite=skip "
-                "skips such steps instead"
+                f"step {self.step + 1}: loss {loss:.6g}, grad norm {grad_norm:.6g} is not finite; "
+                "stopped before the update (no checkpoint holds this state); "
+                "train.on_nonfinite=skip skips such steps instead"
             )
+        self.step += 1
         if finite:
             self.optimizer.step()
         else:
@@ -357,10 +357,15 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
     evals: list[dict] = []  # {step, loss, ppl} per validation
     eval_every = cfg.train.eval_every
     wall_start = time.perf_counter()
+    stopped = None  # a NonFiniteError (every rank raises it together): raised after the summary
     try:
         while trainer.step < cfg.train.steps:
-            with memory.step():
-                result = trainer.train_step(loader.next_batch())
+            try:
+                with memory.step():
+                    result = trainer.train_step(loader.next_batch())
+            except NonFiniteError as e:
+                stopped = e
+                break
             writer.scalars(result.step, memory.scalars())
             if result.skipped:
                 print0(f"step {result.step}: non-finite loss/grad norm, update skipped")
@@ -458,11 +463,14 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
         "val_loss": evals[-1]["loss"] if evals else None,
         "val_ppl": evals[-1]["ppl"] if evals else None,
         "plan": plan,
+        "stopped": None if stopped is None else str(stopped),
     }
     if main:
         with open(os.path.join(run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         print(format_summary(summary), flush=True)
+    if stopped is not None:
+        raise stopped
     return summary
 
 
@@ -486,7 +494,11 @@ def format_summary(s: dict) -> str:
         [
             "summary",
             f"  steps          {s['steps']}",
-            f"  loss           {s['first_loss']:.4f} -> {s['last_loss']:.4f}",
+            *(
+                [f"  loss           {s['first_loss']:.4f} -> {s['last_loss']:.4f}"]
+                if s["losses"]
+                else []
+            ),
             *(
                 [f"  val loss       {s['val_loss']:.4f} (perplexity {s['val_ppl']:.2f})"]
                 if s.get("val_loss") is not None

@@ -97,7 +97,13 @@ def test_nonfinite_loss_stops_naming_the_step_before_any_checkpoint_of_it(tmp_pa
     assert "step " in line and "not finite" in line
     step = int(line.split("step ")[1].split(":")[0])
     assert 1 < step <= 20
-    assert not (run_dir / "summary.json").exists()
+    # summary.json says where it stopped, with the steps done before it (rank 0's line is its
+    # `stopped`); the loss in the line is rounded.
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert line == f"error: {summary['stopped']}" and "Traceback" not in proc.stderr
+    assert summary["steps"] == step - 1 == len(summary["losses"]), summary
+    loss = line.split("loss ")[1].split(",")[0]
+    assert loss in ("nan", "inf", "-inf") or len(loss) <= 12, line
     # Checkpointing every step: every step before it is saved, the stopped one is not.
     ckpts = run_dir / "checkpoints"
     saved = sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step-"))
