@@ -26,6 +26,7 @@ from hybrid2d.config import ConfigError, JobConfig
 
 LOCK_NAME = ".lock"
 _held: list[tuple[str, int]] = []  # (lock path, descriptor holding its flock)
+_created: list[str] = []  # run directories this process made (removed on release if empty)
 
 
 def _owner(fd: int) -> dict:
@@ -93,13 +94,18 @@ def acquire_lock(run_dir: str) -> None:
 
 
 def release_locks() -> None:
-    """Give up every lock this process holds (the file is removed first, under the lock)."""
+    """Give up every lock this process holds (the file is removed first, under the lock), and
+    remove a run directory this process made if nothing was written into it (a refused launch
+    leaves no empty directory behind)."""
     while _held:
         path, fd = _held.pop()
         with contextlib.suppress(OSError):
             if _same_file(fd, path):
                 os.unlink(path)
         os.close(fd)
+    while _created:
+        with contextlib.suppress(OSError):  # not empty: the run wrote into it
+            os.rmdir(_created.pop())
 
 
 atexit.register(release_locks)
@@ -119,7 +125,11 @@ def create_run_dir(cfg: JobConfig) -> str:
     if cfg.checkpoint.resume == "auto":  # continue the newest run that has a checkpoint
         path = find_run_to_resume(cfg.metrics.run_dir, cfg.recipe) or path
     try:
-        os.makedirs(path, exist_ok=True)
+        try:
+            os.makedirs(path)
+            _created.append(path)
+        except FileExistsError:
+            pass
         acquire_lock(path)  # creating the lock file is the test that the directory is writable
     except OSError as e:
         raise ConfigError(

@@ -448,6 +448,17 @@ def test_a_refused_launch_leaves_an_earlier_runs_config_json_alone(tmp_path):
     assert (run / "config.json").read_text() == earlier
 
 
+def test_a_refused_launch_leaves_no_empty_run_dir(tmp_path):
+    """A run dir the launch made is removed again when the launch is refused (it held only the
+    lock); its parent, which existed, stays."""
+    run = tmp_path / "runs" / "new"
+    proc = run_cli(
+        "--data.path", str(tmp_path / "missing.txt"), "--metrics.run_dir", str(run), timeout=120
+    )
+    assert "missing.txt" in error_line(proc)
+    assert not run.exists() and (tmp_path / "runs").is_dir()
+
+
 @pytest.mark.slow
 def test_torchrun_config_error_prints_its_line_whichever_rank_exits_first():
     """Every rank finds the same bad mesh; rank 0 prints it. Other ranks used to exit at once,
