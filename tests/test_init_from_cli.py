@@ -69,3 +69,23 @@ def test_conflicting_model_setting_is_one_line_before_training(hf_dir, tmp_path)
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "dim" in errors[0], proc.stderr
     assert not (tmp_path / "run").exists()  # failed before the run directory was made
+
+
+@pytest.mark.parametrize(
+    "given", [("n_kv_heads", "2"), ("n_kv_heads", "4")], ids=["agrees", "differs"]
+)
+def test_only_the_model_settings_given_are_checked(hf_dir, tmp_path, given):
+    """--model.n_kv_heads with init_from: the other fields are the checkpoint's, not the
+    recipe's, so an agreeing value trains and a differing one is named (the error once named
+    model.dim, a setting the user never gave)."""
+    name, value = given
+    proc = train(tmp_path, "--checkpoint.init_from", f"hf:{hf_dir}", f"--model.{name}", value,
+                 "--train.steps", "1")  # fmt: skip
+    if value == "2":
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        model = json.loads((tmp_path / "run" / "config.json").read_text())["model"]
+        assert (model["dim"], model["n_kv_heads"], model["vocab_size"]) == (64, 2, 512)
+    else:
+        assert proc.returncode == 2
+        (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+        assert "num_key_value_heads=2 but model.n_kv_heads=4" in line, line

@@ -18,6 +18,7 @@ error line on each rank and no rank waits for the others.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import time
@@ -456,9 +457,9 @@ def describe_load(report: LoadReport) -> str:
 def adopt_source_model(cfg: JobConfig, set_on_cli: set[str]) -> None:
     """With checkpoint.init_from, take the model shape and the tokenizer from the checkpoint.
 
-    No --model.* on the command line: cfg.model becomes the checkpoint's (a user starting from
-    a published model need not restate its shape). Some given: they must agree with it, which
-    is checked here, on every rank, before any process group or data work. The tokenizer.json
+    cfg.model becomes the checkpoint's (a user starting from a published model need not restate
+    its shape); the --model.* settings given on the command line must agree with it, which is
+    checked here, on every rank, before any process group or data work. The tokenizer.json
     stored with the checkpoint (a HF directory, a converted directory, a training checkpoint)
     becomes data.tokenizer unless data.tokenizer is set; a checkpoint without one and no
     data.tokenizer is an error, since a newly trained tokenizer's ids mean nothing to it.
@@ -484,11 +485,12 @@ def _adopt_source_model(cfg: JobConfig, set_on_cli: set[str]) -> None:
     adopt_tokenizer(cfg, path)
     if found is None:
         return  # no saved shape: the tensor-by-tensor check at load time still applies
-    if any(name.startswith("model.") for name in set_on_cli):
-        check_model_config(found, cfg.model, source, "its config")
-    else:
-        found.init_std = cfg.model.init_std
-        cfg.model = found
+    # The settings given on the command line must agree with the checkpoint; every other field
+    # is the checkpoint's (the recipe's shape would name a setting the user never gave).
+    given = {n.removeprefix("model.") for n in set_on_cli if n.startswith("model.")}
+    given.add("init_std")  # not part of a checkpoint's shape
+    cfg.model = dataclasses.replace(found, **{n: getattr(cfg.model, n) for n in given})
+    check_model_config(found, cfg.model, source, "its config")
 
 
 def adopt_tokenizer(cfg: JobConfig, path: str) -> None:
