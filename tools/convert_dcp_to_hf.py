@@ -10,15 +10,16 @@ transformers.AutoModelForCausalLM.from_pretrained loads, and SRC's tokenizer fil
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from hybrid2d.cli import OneLineParser, positive_size  # noqa: E402
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("src", help="DCP checkpoint directory")
     parser.add_argument("dst", help="new directory for the Hugging Face checkpoint")
     parser.add_argument(
@@ -31,10 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from hybrid2d.checkpoint.hf_convert import convert_dcp_to_hf, parse_dtype, run_tool
-    from hybrid2d.sizes import parse_size
 
     def work() -> str:
-        cap = parse_size(args.max_shard_size, "--max-shard-size")
+        cap = positive_size(args.max_shard_size, "--max-shard-size")
         dtype = parse_dtype(args.dtype)
         summary = convert_dcp_to_hf(args.src, args.dst, cap, dtype, progress=not args.no_progress)
         return summary.lines(f"exported {args.src} -> {args.dst} (Hugging Face safetensors)")

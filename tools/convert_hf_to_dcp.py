@@ -9,15 +9,16 @@ SRC's tokenizer files. Train from it with `--checkpoint.init_from dcp:DST`.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from hybrid2d.cli import OneLineParser  # noqa: E402
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("src", help="Hugging Face model directory")
     parser.add_argument("dst", help="new directory for the DCP checkpoint")
     parser.add_argument("--dtype", default=None, help="cast floating tensors: fp32, bf16, fp16")

@@ -15,18 +15,19 @@ models can be split into several files with --max-shard-size (HF's index format)
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from hybrid2d.cli import OneLineParser, positive_size  # noqa: E402
+
 ONE_FILE = 2**62  # no size cap: a single model.safetensors
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("checkpoint", help="DCP step directory, or a run / checkpoints directory")
     p.add_argument("out", help="new directory to write")
     p.add_argument("--dtype", default="fp32", help="fp32 (default) or bf16")
@@ -41,10 +42,14 @@ def main(argv: list[str] | None = None) -> int:
     from hybrid2d.checkpoint import layout, standalone
     from hybrid2d.checkpoint.hf_convert import convert_dcp_to_hf, parse_dtype, run_tool
     from hybrid2d.config import ConfigError
-    from hybrid2d.sizes import parse_size
 
     def work() -> str:
         dtype = parse_dtype(args.dtype, ("fp32", "bf16"))
+        cap = (
+            positive_size(args.max_shard_size, "--max-shard-size")
+            if args.max_shard_size
+            else ONE_FILE
+        )
         src = standalone.locate(args.checkpoint)
         if src.kind != "dcp":
             raise ConfigError(
@@ -52,9 +57,6 @@ def main(argv: list[str] | None = None) -> int:
             )
         standalone.verify(src.path)
         standalone.model_config(src)  # a checkpoint without config.json fails here, clearly
-        cap = (
-            parse_size(args.max_shard_size, "--max-shard-size") if args.max_shard_size else ONE_FILE
-        )
         summary = convert_dcp_to_hf(
             str(src.path), args.out, cap, dtype, progress=not args.no_progress
         )

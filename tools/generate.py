@@ -8,6 +8,9 @@ CHECKPOINT is a DCP training checkpoint (a step directory, or a run / checkpoint
 its latest checkpoint) or a directory written by tools/export_checkpoint.py (or any Hugging Face
 Llama directory with safetensors). The tokenizer is the tokenizer.json saved with the checkpoint
 unless --tokenizer is given. Temperature 0 is greedy decoding. One process, no GPU needed.
+The prompt and the new tokens together may be at most the model's max_position_embeddings (from
+the checkpoint's config), checked before the weights are read. Each new token recomputes the
+whole sequence (the model has no KV cache): a long output takes a while.
 
 --chat renders the question as a user turn (after an optional --system turn) with the chat
 template stored with the tokenizer (chat_template.jinja or tokenizer_config.json), opens the
@@ -17,7 +20,6 @@ eos_token) or the end-of-text token.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -25,14 +27,23 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from hybrid2d.cli import OneLineParser  # noqa: E402
+from hybrid2d.config import ConfigError  # noqa: E402
+
 
 def parse(argv):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("checkpoint", help="DCP step/run directory or exported safetensors directory")
     p.add_argument("--prompt", default="", help="text to continue ('' starts a new document)")
     p.add_argument("--chat", default=None, help="a question, rendered with the chat template")
     p.add_argument("--system", default=None, help="with --chat: a system turn before it")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=64,
+        help="at least 1; the prompt plus these at most the model's max_position_embeddings "
+        "(no KV cache: each new token recomputes the whole sequence)",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
     p.add_argument("--seed", type=int, default=0)
@@ -91,19 +102,30 @@ def sample(
     return out
 
 
+def check_length(prompt_tokens: int, new_tokens: int, max_positions: int) -> None:
+    """ConfigError unless the prompt and the new tokens fit in the positions the model was built
+    for (its config's max_position_embeddings)."""
+    if prompt_tokens + new_tokens <= max_positions:
+        return
+    built = f"the model was built for {max_positions} positions (max_position_embeddings)"
+    if prompt_tokens >= max_positions:
+        raise ConfigError(f"the prompt is {prompt_tokens} tokens and {built}: shorten it")
+    raise ConfigError(
+        f"--max-new-tokens {new_tokens}: {prompt_tokens} prompt tokens + {new_tokens} is "
+        f"{prompt_tokens + new_tokens}, and {built}; give at most {max_positions - prompt_tokens}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     from tokenizers import Tokenizer
 
     from hybrid2d.checkpoint import standalone
-    from hybrid2d.config import ConfigError
     from hybrid2d.data.chat import end_of_turn_ids, load_chat_template
     from hybrid2d.data.tokenizer import EOS_CANDIDATES
 
     try:
         src = standalone.locate(args.checkpoint)
-        if src.kind == "dcp":
-            standalone.verify(src.path)
         tok_path = args.tokenizer or standalone.tokenizer_path(src)
         if not tok_path:
             raise ConfigError(
@@ -129,21 +151,26 @@ def main(argv: list[str] | None = None) -> int:
                 chat_text = template.render(messages, add_generation_prompt=True)
             except ValueError as e:
                 raise ConfigError(f"--chat: the chat template fails to render ({e})") from None
+        eos = next((i for n in EOS_CANDIDATES if (i := tok.token_to_id(n)) is not None), None)
+        if chat_text is not None:
+            ids = tok.encode(chat_text, add_special_tokens=False).ids
+        else:
+            ids = tok.encode(args.prompt).ids if args.prompt else []
+        if not ids:
+            if eos is None:
+                raise ConfigError("empty prompt and the tokenizer has no end-of-text token")
+            ids = [eos]  # packed training data separates documents with EOS: start a new one
+        # The config alone (no weights read, no checksums computed) bounds the length.
+        check_length(
+            len(ids), args.max_new_tokens, standalone.model_config(src).max_position_embeddings
+        )
+        if src.kind == "dcp":
+            standalone.verify(src.path)
         model, cfg = standalone.load_model(src)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    eos = next((i for n in EOS_CANDIDATES if (i := tok.token_to_id(n)) is not None), None)
     stops = ({eos} if eos is not None else set()) | end_of_turn_ids(str(tok_path), tok)
-    if chat_text is not None:
-        ids = tok.encode(chat_text, add_special_tokens=False).ids
-    else:
-        ids = tok.encode(args.prompt).ids if args.prompt else []
-    if not ids:
-        if eos is None:
-            print("error: empty prompt and the tokenizer has no end-of-text token", file=sys.stderr)
-            return 2
-        ids = [eos]  # packed training data separates documents with EOS: start a new one
     new = sample(
         model,
         ids,

@@ -13,8 +13,9 @@ Settings of the recipe change as in training (--train.micro_batch 2, --train.seq
 rank 0 of each mesh on this machine over a fake process group (hybrid2d/simulate.py);
 when the recipe's micro batch would not fit in this machine's memory it simulates the largest
 micro batch that does and says so. --run-dir reads the per-rank figures a run made with
---profile.memory and puts them next to the estimate. A Markdown and an HTML report are written
-to --out (default: the run dir, else runs/memory-RECIPE-TIME).
+--profile.memory and puts them next to the estimate. The report is printed; a Markdown and an
+HTML copy (memory_report.md, memory_report.html) are written to --out, or with --run-dir to the
+run dir; without either no file is written.
 """
 
 from __future__ import annotations
@@ -32,19 +33,19 @@ import psutil
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hybrid2d import recipes  # noqa: E402
+from hybrid2d.cli import OneLineParser, positive_size  # noqa: E402
 from hybrid2d.config import ConfigError, JobConfig, apply_overrides  # noqa: E402
 from hybrid2d.profiling.estimate import MeshShape, estimate, estimates_per_rank  # noqa: E402
 from hybrid2d.profiling.profiler import load_measured, summary_rows  # noqa: E402
 from hybrid2d.profiling.report import CATEGORIES, LABELS, Entry, Report, fmt_bytes, write  # noqa: E402
 from hybrid2d.simulate import run_subprocess  # noqa: E402
-from hybrid2d.sizes import parse_size  # noqa: E402
 
 # A simulated rank needs its tensors plus the Python/torch process (~0.5 GiB) and slack.
 SIM_MEMORY_FRACTION = 0.6
 
 
 def parse(argv: list[str]):
-    ap = argparse.ArgumentParser(
+    ap = OneLineParser(
         description=__doc__.split("\n\n")[0],
         allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -69,7 +70,11 @@ def parse(argv: list[str]):
         help="simulate with real matmuls (slow; same memory)",
     )
     ap.add_argument("--run-dir", help="a run made with --profile.memory")
-    ap.add_argument("--out", help="report folder, or a path ending in .md/.html")
+    ap.add_argument(
+        "--out",
+        help="write the report here as Markdown and HTML: a folder, or a path ending in "
+        ".md/.html (default: the --run-dir, else no file)",
+    )
     ap.add_argument("--json", action="store_true", help="print the figures as JSON too")
     return ap.parse_known_args(argv)
 
@@ -142,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args, rest: list[str]) -> int:
+    device_memory = (
+        positive_size(args.device_memory, "--device-memory") if args.device_memory else None
+    )
     measured: list[dict] = []
     run_mesh = None
     if args.run_dir:
@@ -168,9 +176,6 @@ def run(args, rest: list[str]) -> int:
             raise ConfigError("give at least one --mesh DPxTP, e.g. --mesh 8x8")
     meshes = [MeshShape.parse(m) for m in args.mesh] or [run_mesh]
     apply_overrides(cfg, rest)
-    device_memory = (
-        parse_size(args.device_memory, "--device-memory") if args.device_memory else None
-    )
     if not 0 <= args.headroom < 1:
         raise ConfigError(f"--headroom {args.headroom} must be in [0, 1)")
     fit = {"device_memory": device_memory, "headroom": args.headroom}
@@ -235,9 +240,12 @@ def run(args, rest: list[str]) -> int:
 
     title = f"Memory per rank of {cfg.recipe} ({target})"
     rep = Report(title, summary_rows(cfg, target), [e for e, _ in entries], notes)
-    out = args.out or args.run_dir or time.strftime(f"runs/memory-{cfg.recipe}-%Y%m%d-%H%M%S")
-    md, page = write(rep, out)
-    print(f"report: {md}\n        {page}")
+    out = args.out or args.run_dir
+    if out:
+        md, page = write(rep, out)
+        print(f"report: {md}\n        {page}")
+    else:
+        print("(no report file written: --out DIR writes it as Markdown and HTML)")
     if args.json:
         keys = ("mesh", "estimate", "simulated", "measured")
         results = [{k: getattr(e, k) for k in keys} | {"fits": e.fits()} for e, _ in entries]

@@ -33,6 +33,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hybrid2d import recipes  # noqa: E402
+from hybrid2d.cli import OneLineParser, positive_size  # noqa: E402
 from hybrid2d.config import ConfigError, JobConfig, ModelConfig, apply_overrides  # noqa: E402
 from hybrid2d.metrics import flops_per_token  # noqa: E402
 from hybrid2d.planner import hardware as hwlib  # noqa: E402
@@ -45,7 +46,6 @@ from hybrid2d.planner.search import (  # noqa: E402
     plan,
 )
 from hybrid2d.profiling.estimate import MeshShape  # noqa: E402
-from hybrid2d.sizes import parse_size  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(REPO, "docs", "planner.md")
@@ -54,14 +54,6 @@ VALIDATION_MODEL = dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=68
 VALIDATION_SEQ, VALIDATION_BATCH = 256, 8
 # Calibration ranks start and end their process group as the trainer does (hybrid2d.mesh).
 TRAINER_PROCESS_GROUP = ("hybrid2d.mesh:init_distributed", "hybrid2d.mesh:shutdown_distributed")
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """Bad arguments: one `error:` line and exit 2 (argparse's default prints the usage too)."""
-
-    def error(self, message: str):
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(2)
 
 
 def parser() -> OneLineParser:
@@ -152,7 +144,7 @@ def load_hardware(args) -> hwlib.Hardware:
         raise ConfigError("give --gpu or --hardware, not both")
     hw = hwlib.load(args.hardware) if args.hardware else hwlib.get(args.gpu or "h100")
     if args.gpu_memory:
-        hw.memory_bytes = parse_size(args.gpu_memory, "--gpu-memory")
+        hw.memory_bytes = positive_size(args.gpu_memory, "--gpu-memory")
     return hw
 
 

@@ -1,0 +1,46 @@
+"""What the tools' command lines share: a bad argument is one `error:` line and exit code 2, and
+sizes given to them must be positive.
+
+argparse's default error prints a usage block of several lines before the error; `--help` still
+prints the whole usage. argparse takes an argument that starts with '-' for an option unless it
+looks like a negative number, and its idea of a number is narrow ('-5' and '-.5'; Python 3.14
+adds '-1e-3' and '-1_000'): '--device-memory -5GiB' was refused as "expected one argument". Here
+every argument that starts with '-' and a digit (or '-.' and a digit) is a value (no tool has an
+option spelt like that), so it reaches the check that can say what is wrong with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+from hybrid2d.config import ConfigError
+from hybrid2d.sizes import parse_size
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Bad arguments: one `error: <what>` line on stderr and exit 2."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"-\.?\d")  # argparse: "looks like a number"
+
+    def error(self, message: str):
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def positive_size(text: str, flag: str) -> int:
+    """Bytes that `text`, given to `flag` (e.g. '--device-memory'), names; a ConfigError naming
+    the flag when it is no size, or a negative or zero one."""
+    body = text.strip()
+    negative = body.startswith("-")
+    try:
+        value = parse_size(body[1:] if negative else body, flag, minimum=0)
+    except ConfigError:
+        parse_size(text, flag)  # raises, naming the text as given
+        raise
+    if negative or value < 1:
+        raise ConfigError(f"{flag}: {text!r} is not a positive size (e.g. 80GiB, 80GB)")
+    return value

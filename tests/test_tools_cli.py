@@ -1,0 +1,201 @@
+"""The tools' command lines (hybrid2d/cli.py): a bad argument is one `error:` line and exit 2,
+sizes must be positive, an estimate writes no file unless asked, and generate.py's length is
+bounded by the model's positions. Everything runs in this process (no checkpoint training)."""
+
+import importlib.util
+import json
+
+import pytest
+
+from hybrid2d.cli import positive_size
+from hybrid2d.config import ConfigError
+from tests.launch import REPO
+
+TOOLS = [
+    "generate",
+    "memory_report",
+    "convert_hf_to_dcp",
+    "convert_dcp_to_hf",
+    "export_checkpoint",
+    "plan",
+]
+
+
+def tool(name):
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def call(capsys, name, argv):
+    """(exit code, stdout, stderr) of the tool's main(argv), whether it returns or exits."""
+    mod = tool(name)
+    capsys.readouterr()
+    try:
+        code = mod.main(argv)
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_error_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+# ---- one parser, one error line ---------------------------------------------------------------
+
+BAD = {
+    "generate": (["ckpt", "--max-new-tokens", "0"], "--max-new-tokens 0 must be >= 1"),
+    "memory_report": (["--mesh", "2x2", "--target", "tpu"], "invalid choice: 'tpu'"),
+    "convert_hf_to_dcp": (["src"], "the following arguments are required: dst"),
+    "convert_dcp_to_hf": (["src", "dst", "--bogus"], "unrecognized arguments: --bogus"),
+    "export_checkpoint": (["ckpt"], "the following arguments are required: out"),
+    "plan": (["--nodes", "x"], "argument --nodes: invalid int value: 'x'"),
+}
+
+
+@pytest.mark.parametrize("name", TOOLS)
+def test_bad_arguments_are_one_error_line_and_exit_2(capsys, name):
+    """argparse's default printed its usage block (4-6 lines) before the error in all but
+    plan.py."""
+    argv, what = BAD[name]
+    code, _, err = call(capsys, name, argv)
+    assert code == 2
+    assert what in one_error_line(err)
+
+
+@pytest.mark.parametrize("name", TOOLS)
+def test_help_still_prints_the_whole_usage(capsys, name):
+    code, out, err = call(capsys, name, ["--help"])
+    assert code == 0 and not err
+    assert out.startswith("usage: ") and "options:" in out and "-h, --help" in out
+
+
+@pytest.mark.parametrize("name", TOOLS)
+def test_every_tool_uses_the_shared_parser(name):
+    source = (REPO / "tools" / f"{name}.py").read_text()
+    assert "from hybrid2d.cli import OneLineParser" in source
+    assert "ArgumentParser(" not in source and "class OneLineParser" not in source
+
+
+# ---- sizes ------------------------------------------------------------------------------------
+
+SIZE_FLAGS = {
+    "memory_report": (["--mesh", "2x2"], "--device-memory"),
+    "plan": ([], "--gpu-memory"),
+    "convert_dcp_to_hf": (["src", "dst"], "--max-shard-size"),
+    "export_checkpoint": (["ckpt", "out"], "--max-shard-size"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SIZE_FLAGS))
+@pytest.mark.parametrize("value, joined", [("-5GiB", False), ("-5GiB", True), ("0", False)])
+def test_a_negative_or_zero_size_is_one_line_naming_the_option(capsys, name, value, joined):
+    """'--device-memory -5GiB' was 'expected one argument' (argparse took -5GiB for an option);
+    '--device-memory=-5GiB' said it was no size at all, and 0 that it was 0 bytes."""
+    argv, flag = SIZE_FLAGS[name]
+    given = [f"{flag}={value}"] if joined else [flag, value]
+    code, _, err = call(capsys, name, argv + given)
+    assert code == 2
+    expected = f"error: {flag}: '{value}' is not a positive size (e.g. 80GiB, 80GB)"
+    assert one_error_line(err) == expected
+
+
+def test_positive_size():
+    assert positive_size("80GiB", "--x") == 80 * 2**30
+    assert positive_size(" 1.5kB ", "--x") == 1500
+    for bad in ("-1", "-0.5GB", "0.5", "0GiB"):
+        with pytest.raises(ConfigError, match="is not a positive size"):
+            positive_size(bad, "--x")
+    for bad in ("80G", "-80G", "lots", "-"):  # no size at all: the size parser's message
+        with pytest.raises(ConfigError, match=r"--x '.*' is not a size: use bytes"):
+            positive_size(bad, "--x")
+
+
+# ---- memory_report: files only when asked -----------------------------------------------------
+
+
+def test_memory_report_estimate_writes_files_only_when_asked(tmp_path, monkeypatch, capsys):
+    """An estimate used to leave runs/memory-RECIPE-TIME/ in the current directory."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["--recipe", "llama-debug", "--mesh", "2x2", "--target", "cpu"]
+    code, out, err = call(capsys, "memory_report", argv)
+    assert code == 0, err
+    assert list(tmp_path.iterdir()) == []
+    assert "llama-debug on mesh 2x2" in out and "--out DIR" in out
+    code, out, err = call(capsys, "memory_report", argv + ["--out", "rep"])
+    assert code == 0, err
+    assert sorted(p.name for p in (tmp_path / "rep").iterdir()) == [
+        "memory_report.html",
+        "memory_report.md",
+    ]
+    assert [p.name for p in tmp_path.iterdir()] == ["rep"]
+
+
+# ---- generate: bounded length -----------------------------------------------------------------
+
+POSITIONS = 256  # tests/workers/hf_chat.py's max_position_embeddings
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from tests.workers.hf_chat import make_chat_model
+
+    path = tmp_path_factory.mktemp("chat") / "hf"
+    make_chat_model(str(path))
+    assert json.loads((path / "config.json").read_text())["max_position_embeddings"] == POSITIONS
+    return path
+
+
+def prompt_tokens(path, text: str) -> int:
+    from tokenizers import Tokenizer
+
+    return len(Tokenizer.from_file(str(path / "tokenizer.json")).encode(text).ids)
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_generate_refuses_fewer_than_one_new_token(tmp_path, capsys, value):
+    """Checked before the checkpoint is looked at (tmp_path holds none)."""
+    code, _, err = call(capsys, "generate", [str(tmp_path), "--max-new-tokens", value])
+    assert code == 2
+    assert one_error_line(err) == f"error: --max-new-tokens {value} must be >= 1"
+
+
+def test_generate_bounds_prompt_and_new_tokens_by_the_model_positions(
+    chat_model, monkeypatch, capsys
+):
+    """100,000 new tokens ran on for minutes (the model has no KV cache; past its positions the
+    context slid). Now prompt + new tokens beyond max_position_embeddings is one line, before the
+    weights are read; exactly max_position_embeddings runs."""
+    from hybrid2d.checkpoint import standalone
+
+    n = prompt_tokens(chat_model, "def ")
+    load_model = standalone.load_model
+
+    def no_weights(*a, **k):
+        raise AssertionError("the weights were read before the length was checked")
+
+    monkeypatch.setattr(standalone, "load_model", no_weights)
+    for new in (POSITIONS - n + 1, 100_000):
+        code, out, err = call(capsys, "generate", [str(chat_model), "--prompt", "def ",
+                                                   "--max-new-tokens", str(new)])  # fmt: skip
+        assert code == 2 and not out
+        line = one_error_line(err)
+        assert line.startswith(f"error: --max-new-tokens {new}: {n} prompt tokens")
+        assert f"built for {POSITIONS} positions" in line and f"at most {POSITIONS - n}" in line
+
+    long = "What is the answer? " * 60
+    assert prompt_tokens(chat_model, long) > POSITIONS
+    code, _, err = call(capsys, "generate", [str(chat_model), "--prompt", long])
+    assert code == 2 and "shorten it" in one_error_line(err)
+
+    monkeypatch.setattr(standalone, "load_model", load_model)
+    argv = [str(chat_model), "--prompt", "def ", "--max-new-tokens", str(POSITIONS - n)]
+    code, out, err = call(capsys, "generate", argv + ["--no-stop", "--json"])
+    assert code == 0, err
+    assert len(json.loads(out)["ids"]) == POSITIONS - n
