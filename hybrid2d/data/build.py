@@ -7,7 +7,8 @@ run puts 4 processes on 2 cores) and guarantees every rank uses byte-identical d
 Text data is packed into windows (packing.py); instruction data (instruct.py: .jsonl of
 prompt/completion or messages) is one padded sample per line with the loss on the completion.
 Validation data (data.val_path, or a data.val_fraction of data.path's samples held out) is built
-the same way and served by `EvalSet`, identically on every mesh.
+the same way and served by `EvalSet`, identically on every mesh. The data figures (RunData.stats,
+summary.json's `data`) describe the training samples only, and the held-out ones under `val`.
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ def _instruct_cache(
     build: bool,
 ) -> InstructionDataset:  # fmt: skip
     key = cache_key(
-        "instruct-v1",
+        "instruct-v2",  # v2: per-sample loss-token counts and truncation flags
         corpus_identity(d),
         tokenizer_hash(tok),
         template.source if template is not None else "",
@@ -133,10 +134,18 @@ def _instruct_cache(
     )
     folder = cache_dir / "instruct" / key
     meta_path = folder / "meta.json"  # written last: its presence means the entry is complete
-    names = ("tokens", "targets", "offsets")
+    names = ("tokens", "targets", "offsets", "sample_loss_tokens", "sample_truncated")
     if must_build(meta_path, build, cache_dir, f"instruction cache {key}"):
-        ds = build_instruction_arrays(source_files(d), tok, template, cfg.train.seq_len, setting)
-        for name, array in zip(names, (ds.tokens, ds.targets_flat, ds.offsets), strict=True):
+        files = source_files(d, setting)
+        ds = build_instruction_arrays(files, tok, template, cfg.train.seq_len, setting)
+        arrays = (
+            ds.tokens,
+            ds.targets_flat,
+            ds.offsets,
+            ds.sample_loss_tokens,
+            ds.sample_truncated,
+        )
+        for name, array in zip(names, arrays, strict=True):
             save_npy(folder / f"{name}.npy", array)
         meta = {"pad_id": ds.pad_id, "seq_len": ds.seq_len, "stats": dataclasses.asdict(ds.stats)}
         with atomic_path(meta_path) as tmp:
@@ -144,16 +153,16 @@ def _instruct_cache(
     meta = json.loads(meta_path.read_text())
     arrays = [np.load(folder / f"{n}.npy", mmap_mode="r") for n in names]
     stats = InstructStats(**meta["stats"])
-    return InstructionDataset(*arrays, meta["seq_len"], meta["pad_id"], stats)
+    return InstructionDataset(*arrays[:3], meta["seq_len"], meta["pad_id"], stats, *arrays[3:])
 
 
 def _dataset(cfg: JobConfig, d, tok: Tokenizer, cache_dir, setting: str, build: bool):
     """(dataset, kind) for the data config d (data.path's, or val_path's in its place)."""
-    kind = data_kind(cfg, source_files(d), setting)
+    kind = data_kind(cfg, source_files(d, setting), setting)
     if kind == "instruct":
         template = load_chat_template(cfg.data.tokenizer)
         return _instruct_cache(cfg, d, tok, template, cache_dir, setting, build), kind
-    tokens = tokenize_corpus(d, tok, cache_dir, build=build)
+    tokens = tokenize_corpus(d, tok, cache_dir, build=build, setting=setting)
     return PackedDataset(tokens, cfg.train.seq_len, source=d.path), kind
 
 
@@ -162,10 +171,7 @@ def _val_config(cfg: JobConfig):
     if not cfg.data.val_path:
         return None
     d = dataclasses.replace(cfg.data, path=cfg.data.val_path, val_path="", val_fraction=0.0)
-    try:
-        source_files(d)
-    except ConfigError as e:
-        raise ConfigError(str(e).replace("data.path=", "data.val_path=", 1)) from None
+    source_files(d, "data.val_path")
     return d
 
 
@@ -190,16 +196,14 @@ def build_run_data(
     barrier()
     tok = load_or_train_tokenizer(d, cfg.model.vocab_size, cache_dir, build=False)
     dataset, kind = _dataset(cfg, d, tok, cache_dir, "data.path", build=False)
-    stats: dict = {}
-    if kind == "instruct":
-        stats["train_stats"] = dataclasses.asdict(dataset.stats)
-        stats["train"] = dataset.stats.to_dict()
+    train_stats = dataset.stats if kind == "instruct" else None
+    val_stats = None
     val = None
     if val_cfg is not None:
         val_ds, _ = _dataset(cfg, val_cfg, tok, cache_dir, "data.val_path", build=False)
         val = EvalSet(val_ds, repr(d.val_path))
         if isinstance(val_ds, InstructionDataset):
-            stats["val"] = val_ds.stats.to_dict()
+            val_stats = val_ds.stats
     elif d.val_fraction:
         n = len(dataset)
         n_val = max(1, round(n * d.val_fraction))
@@ -212,7 +216,16 @@ def build_run_data(
         held = np.sort(perm[:n_val].numpy())
         kept = np.sort(perm[n_val:].numpy())
         val = EvalSet(Subset(dataset, held), f"{d.val_fraction:g} of data.path")
+        if train_stats is not None:  # the held-out samples are not training data
+            train_stats = dataset.stats_of(kept, dropped=dataset.stats.dropped)
+            val_stats = dataset.stats_of(held)
         dataset = Subset(dataset, kept)
+    stats: dict = {}
+    if train_stats is not None:
+        stats["train_stats"] = dataclasses.asdict(train_stats)
+        stats["train"] = train_stats.to_dict()
+    if val_stats is not None:
+        stats["val"] = val_stats.to_dict()
     loader = GlobalBatchLoader(dataset, t.global_batch, dp_rank, dp_size, t.micro_batch, t.seed)
     return RunData(loader, tok, val, kind, stats)
 

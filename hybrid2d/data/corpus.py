@@ -3,7 +3,8 @@
 The built-in corpus is the Python standard library's own sources, because they exist on every
 machine that can run this trainer: a default run never downloads anything. A user corpus is a
 file or a directory of .txt / .jsonl / .parquet files. Bad input becomes one ConfigError line
-naming the setting, raised when `corpus_documents` is called, before any expensive work.
+naming the setting, raised when `corpus_documents` is called, before any expensive work; a bad
+line (not JSON, not UTF-8, no text field, instruction data among text) names its file and line.
 """
 
 from __future__ import annotations
@@ -43,18 +44,19 @@ def default_corpus_files() -> list[pathlib.Path]:
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
-def source_files(cfg: DataConfig) -> list[pathlib.Path]:
-    """The data files behind cfg.path, or a ConfigError saying why there are none."""
+def source_files(cfg: DataConfig, setting: str = "data.path") -> list[pathlib.Path]:
+    """The data files behind cfg.path, or a ConfigError (naming `setting`, the option that gave
+    cfg.path) saying why there are none."""
     if not cfg.path:
         return default_corpus_files()
     path = pathlib.Path(cfg.path).expanduser()
     works = f"use a {'/'.join(SUFFIXES)} file, a directory of them, or '' for the built-in corpus"
     if not path.exists():
-        raise ConfigError(f"data.path={cfg.path!r} does not exist; {works}")
+        raise ConfigError(f"{setting}={cfg.path!r} does not exist; {works}")
     if path.is_file():
         if path.suffix not in SUFFIXES:
             raise ConfigError(
-                f"data.path={cfg.path!r} has unsupported suffix {path.suffix!r}; {works}"
+                f"{setting}={cfg.path!r} has unsupported suffix {path.suffix!r}; {works}"
             )
         return [path]
     # Other files in a data directory (README.md, .gitattributes, ...) are not documents.
@@ -68,7 +70,7 @@ def source_files(cfg: DataConfig) -> list[pathlib.Path]:
     )
     if not files:
         raise ConfigError(
-            f"data.path={cfg.path!r} is a directory without any {'/'.join(SUFFIXES)} files; {works}"
+            f"{setting}={cfg.path!r} is a directory without any {'/'.join(SUFFIXES)} files; {works}"
         )
     return files
 
@@ -95,17 +97,18 @@ def corpus_identity(cfg: DataConfig) -> str:
     return h.hexdigest()[:16]
 
 
-def corpus_documents(cfg: DataConfig) -> Iterator[str]:
+def corpus_documents(cfg: DataConfig, setting: str = "data.path") -> Iterator[str]:
     """Every document of the corpus, in a fixed order.
 
     Source errors (missing path, unsupported suffix, empty directory) are raised by this call
     itself; errors found while reading (bad jsonl line, no documents at all) by the iteration.
+    Errors name `setting`, the option cfg.path came from (data.val_path for validation data).
     `cfg.max_chars` limits only the built-in corpus: a user's own data is never cut silently.
     """
-    files = source_files(cfg)
+    files = source_files(cfg, setting)
     if not cfg.path:
         return _stdlib_documents(files, cfg.max_chars)
-    return _user_documents(files, cfg)
+    return _user_documents(files, cfg, setting)
 
 
 def _stdlib_documents(files: list[pathlib.Path], max_chars: int) -> Iterator[str]:
@@ -121,45 +124,72 @@ def _stdlib_documents(files: list[pathlib.Path], max_chars: int) -> Iterator[str
             return
 
 
-def _user_documents(files: list[pathlib.Path], cfg: DataConfig) -> Iterator[str]:
+def not_utf8(line: str) -> str | None:
+    """None if `line` (read with errors="surrogateescape") was valid UTF-8; else its first bad
+    byte and where: "byte 0xff at offset 362 of the line"."""
+    try:
+        line.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:  # surrogateescape turned each bad byte into U+DC80..U+DCFF
+        offset = len(line[: e.start].encode("utf-8", "surrogateescape"))
+        return f"byte 0x{ord(line[e.start]) - 0xDC00:02x} at offset {offset} of the line"
+
+
+def _user_documents(files: list[pathlib.Path], cfg: DataConfig, setting: str) -> Iterator[str]:
     count = 0
+    text_seen: list[str] = []  # where the first text document is, for the mixed-format error
     for p in files:
         reader = {".txt": _read_txt, ".jsonl": _read_jsonl, ".parquet": _read_parquet}[p.suffix]
-        for doc in reader(p, cfg):
+        for doc in reader(p, cfg, setting, text_seen):
             if doc:
                 count += 1
                 yield doc
     if count == 0:
         raise ConfigError(
-            f"data.path={cfg.path!r} holds no non-empty documents; point it to "
+            f"{setting}={cfg.path!r} holds no non-empty documents; point it to "
             f"files with text (field data.text_field={cfg.text_field!r} for "
             ".jsonl/.parquet)"
         )
 
 
-def _read_txt(p: pathlib.Path, cfg: DataConfig) -> Iterator[str]:
+def _read_txt(p: pathlib.Path, cfg: DataConfig, setting: str, text_seen: list) -> Iterator[str]:
     try:
-        yield p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        with open(p, encoding="utf-8", errors="surrogateescape") as f:
+            lineno, bad = next((n, b) for n, line in enumerate(f, 1) if (b := not_utf8(line)))
         raise ConfigError(
-            f"data.path={cfg.path!r}: {p} is not UTF-8 text ({e.reason} at byte "
-            f"{e.start}); convert it to UTF-8"
+            f"{setting}={cfg.path!r}: {p}:{lineno} is not UTF-8 text ({bad}); convert it to UTF-8"
         ) from None
+    if text and not text_seen:
+        text_seen.append(str(p))
+    yield text
 
 
-def _read_jsonl(p: pathlib.Path, cfg: DataConfig) -> Iterator[str]:
+_INSTRUCTION_KEYS = frozenset({"messages", "prompt", "completion"})
+
+
+def _read_jsonl(p: pathlib.Path, cfg: DataConfig, setting: str, text_seen: list) -> Iterator[str]:
     field = cfg.text_field
-    with open(p, encoding="utf-8") as f:
+    with open(p, encoding="utf-8", errors="surrogateescape") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
+            if bad := not_utf8(line):
+                raise ConfigError(
+                    f"{setting}={cfg.path!r}: {p}:{lineno} is not UTF-8 text ({bad}); "
+                    "convert it to UTF-8"
+                )
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ConfigError(
-                    f"data.path={cfg.path!r}: {p}:{lineno} is not valid JSON "
+                    f"{setting}={cfg.path!r}: {p}:{lineno} is not valid JSON "
                     f"({e.msg}); write one JSON object per line"
                 ) from None
+            instruction = isinstance(record, dict) and sorted(_INSTRUCTION_KEYS & record.keys())
+            if instruction and field not in record:
+                raise _instruction_among_text(p, lineno, instruction, cfg, setting, text_seen)
             if not isinstance(record, dict) or field not in record:
                 keys = sorted(record) if isinstance(record, dict) else type(record).__name__
                 raise ConfigError(
@@ -173,16 +203,44 @@ def _read_jsonl(p: pathlib.Path, cfg: DataConfig) -> Iterator[str]:
                     f"{type(text).__name__}, not a string; point data.text_field "
                     "to a text field"
                 )
+            if not text_seen:
+                text_seen.append(f"{p}:{lineno}")
             yield text
 
 
-def _read_parquet(p: pathlib.Path, cfg: DataConfig) -> Iterator[str]:
+def _instruction_among_text(
+    p: pathlib.Path, lineno: int, keys: list, cfg: DataConfig, setting: str, text_seen: list
+) -> ConfigError:
+    """The error for an instruction line (prompt/completion or messages) read as text."""
+    what = f"{p}:{lineno} is instruction data ({'/'.join(keys)})"
+    if text_seen:
+        chosen = "auto chose text by the first line" if cfg.format == "auto" else cfg.format
+        return ConfigError(
+            f"{setting}={cfg.path!r} mixes formats: {text_seen[0]} is text "
+            f"(data.text_field={cfg.text_field!r}), {what}; a run reads one format "
+            f"(data.format={chosen}): put text and instruction lines in separate files and "
+            f"point {setting} at one kind"
+        )
+    if cfg.format == "text":
+        fix = "use data.format auto or instruct"
+    else:  # auto, where an earlier file without documents made the data text
+        fix = (
+            f"data.format=auto took {setting} for text by its first file; point {setting} at "
+            "one kind"
+        )
+    return ConfigError(
+        f"{setting}={cfg.path!r}: {what} but data.format={cfg.format} reads it as text "
+        f"(field data.text_field={cfg.text_field!r}); {fix}"
+    )
+
+
+def _read_parquet(p: pathlib.Path, cfg: DataConfig, setting: str, text_seen: list) -> Iterator[str]:
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
         raise ConfigError(
-            f"data.path={cfg.path!r} holds .parquet files, which need pyarrow; "
+            f"{setting}={cfg.path!r} holds .parquet files, which need pyarrow; "
             "pip install pyarrow, or use .txt/.jsonl"
         ) from None
     pf = pq.ParquetFile(p)
@@ -203,4 +261,6 @@ def _read_parquet(p: pathlib.Path, cfg: DataConfig) -> Iterator[str]:
     for batch in pf.iter_batches(columns=[cfg.text_field], batch_size=4096):
         for text in batch.column(0).to_pylist():
             if text is not None:
+                if text and not text_seen:
+                    text_seen.append(str(p))
                 yield text

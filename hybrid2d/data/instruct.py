@@ -16,8 +16,11 @@ compute spent on padding, which the data summary reports. A sample longer than s
 tokens is cut to that length and counted as truncated; one whose loss tokens all lie beyond it
 is dropped and counted.
 
-Bad data (not JSON, neither format, an unknown role, a template that refuses the conversation, a
-sample with no loss tokens) is one ConfigError line naming the file and line.
+Bad data (not UTF-8, not JSON, neither format, an unknown role, a template that refuses the
+conversation, a sample with no loss tokens) is one ConfigError line naming the file and line.
+
+Per sample the dataset keeps its loss-token count and whether it was truncated, so the figures of
+any part of it (the training part when data.val_fraction holds some samples out) are exact.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from tokenizers import Tokenizer
 
 from hybrid2d.config import ConfigError
 from hybrid2d.data.chat import ChatTemplate, TemplateRenderError
+from hybrid2d.data.corpus import not_utf8
 from hybrid2d.data.tokenizer import eos_id, special_tokens_as_text
 
 IGNORE_INDEX = -100
@@ -91,7 +95,23 @@ class InstructionDataset:
     offsets: np.ndarray
     seq_len: int
     pad_id: int
-    stats: InstructStats
+    stats: InstructStats  # of every sample, and the file's dropped lines
+    sample_loss_tokens: np.ndarray  # int32 per sample
+    sample_truncated: np.ndarray  # bool per sample
+
+    def stats_of(self, indices, dropped: int = 0) -> InstructStats:
+        """The figures of the samples `indices` (`dropped`: the dropped lines to count with
+        them; the split into training and held-out parts happens after dropping)."""
+        idx = np.asarray(indices, dtype=np.int64)
+        lengths = self.offsets[idx + 1] - self.offsets[idx]
+        return InstructStats(
+            samples=len(idx),
+            truncated=int(self.sample_truncated[idx].sum()),
+            dropped=dropped,
+            loss_tokens=int(self.sample_loss_tokens[idx].sum(dtype=np.int64)),
+            tokens=int(lengths.sum()),
+            positions=len(idx) * self.seq_len,
+        )
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -209,14 +229,17 @@ def build_instruction_arrays(
 ) -> InstructionDataset:
     """Every line of the files as a padded sample (see the module doc)."""
     eos = eos_id(tok)
-    rows, masks = [], []
+    rows, masks, loss_counts, cut = [], [], [], []
     stats = InstructStats()
     for path in files:
-        with open(path, encoding="utf-8") as f:
+        # surrogateescape: a line that is not UTF-8 is reported with its number, not a traceback
+        with open(path, encoding="utf-8", errors="surrogateescape") as f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue
                 where = f"{setting}: {path}:{lineno}"
+                if bad := not_utf8(line):
+                    raise _bad(where, f"is not UTF-8 text ({bad}); convert the file to UTF-8")
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
@@ -224,23 +247,25 @@ def build_instruction_arrays(
                 ids, mask = encode_record(record, tok, template, where, eos)
                 if not any(mask[1:]):  # the first token is never a label
                     raise _bad(where, "has no loss tokens (no completion / assistant text)")
-                if len(ids) > seq_len + 1:
+                truncated = len(ids) > seq_len + 1
+                if truncated:
                     ids, mask = ids[: seq_len + 1], mask[: seq_len + 1]
                     if not any(mask[1:]):  # the prompt fills the sequence: nothing to learn
                         stats.dropped += 1
                         continue
-                    stats.truncated += 1
                 rows.append(ids)
                 masks.append(mask)
-                stats.tokens += len(ids)
-                stats.loss_tokens += sum(mask[1:])
+                loss_counts.append(sum(mask[1:]))
+                cut.append(truncated)
     if not rows:
         why = f" ({stats.dropped} have no loss token within train.seq_len)" if stats.dropped else ""
         raise ConfigError(f"{setting}: {files[0] if files else ''} holds no samples{why}")
-    stats.samples = len(rows)
-    stats.positions = len(rows) * seq_len
     offsets = np.zeros(len(rows) + 1, dtype=np.int64)
     offsets[1:] = np.cumsum([len(r) for r in rows])
     tokens = np.fromiter((t for r in rows for t in r), dtype=np.int32, count=int(offsets[-1]))
     targets = np.fromiter((m for ms in masks for m in ms), dtype=bool, count=int(offsets[-1]))
-    return InstructionDataset(tokens, targets, offsets, seq_len, eos, stats)
+    loss = np.asarray(loss_counts, dtype=np.int32)
+    truncated = np.asarray(cut, dtype=bool)
+    ds = InstructionDataset(tokens, targets, offsets, seq_len, eos, stats, loss, truncated)
+    ds.stats = ds.stats_of(np.arange(len(rows)), dropped=stats.dropped)
+    return ds

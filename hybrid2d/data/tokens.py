@@ -23,14 +23,19 @@ CHUNK_DOCS = 256
 
 
 def tokenize_corpus(
-    cfg: DataConfig, tok: Tokenizer, cache_dir: pathlib.Path, build: bool = True
+    cfg: DataConfig,
+    tok: Tokenizer,
+    cache_dir: pathlib.Path,
+    build: bool = True,
+    setting: str = "data.path",
 ) -> np.ndarray:
     """All documents encoded, each followed by EOS, as one 1-D array (a read-only mmap of the
-    cache); with build=False a missing cache entry is an error, not a job."""
+    cache); with build=False a missing cache entry is an error, not a job. Errors in the data
+    name `setting` (data.val_path when cfg is the validation data's)."""
     key = cache_key("tokens-v1", corpus_identity(cfg), tokenizer_hash(tok), cfg.max_chars)
     path = pathlib.Path(cache_dir) / "tokens" / f"{key}.npy"
     if must_build(path, build, cache_dir, f"token cache {path.name}"):
-        save_npy(path, encode_documents(corpus_documents(cfg), tok))
+        save_npy(path, encode_documents(corpus_documents(cfg, setting), tok))
     return np.load(path, mmap_mode="r")
 
 
