@@ -5,7 +5,9 @@ python tools/convert_dcp_to_hf.py SRC DST [--max-shard-size 5GB] [--dtype bf16]
 SRC is a directory from tools/convert_hf_to_dcp.py or a training checkpoint's step directory
 (only its "model" entry is read). DST gets size-capped model-*.safetensors shards with
 model.safetensors.index.json (or one model.safetensors), a config.json that
-transformers.AutoModelForCausalLM.from_pretrained loads, and SRC's tokenizer files.
+transformers.AutoModelForCausalLM.from_pretrained loads, and SRC's tokenizer files. A converted
+SRC's config.json and generation_config.json are the original's; a training checkpoint's get
+the token ids and stops that tools/export_checkpoint.py writes (hybrid2d/checkpoint/hf_tokens.py).
 """
 
 from __future__ import annotations

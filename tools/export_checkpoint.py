@@ -5,8 +5,12 @@ python tools/export_checkpoint.py CHECKPOINT OUT [--dtype fp32|bf16]
 CHECKPOINT is a DCP step directory (runs/<run>/checkpoints/step-0000100), or a run or checkpoints
 directory, meaning the checkpoint its `latest` names. The checkpoint's files are checked against
 its checksums first. OUT gets model.safetensors (every tensor merged from all ranks' shards),
-a Hugging Face LlamaForCausalLM config.json (transformers loads the directory as is),
-hybrid2d_config.json (the run's settings), and the run's tokenizer.json.
+a Hugging Face LlamaForCausalLM config.json (transformers loads the directory as is) with
+bos/eos/pad_token_id, a generation_config.json that stops at the chat template's end-of-turn
+token and the end-of-text token (where tools/generate.py stops), hybrid2d_config.json (the run's
+settings), and the run's tokenizer files. The token ids are those of the HF model the run
+started from (checkpoint.init_from, while it is still there), else the checkpoint's tokenizer's
+(hybrid2d/checkpoint/hf_tokens.py); the summary's last line says which.
 
 Streaming: tensors are read from the DCP files and appended to the safetensors file one at a
 time, so the process never holds more than one tensor (plus the output file's header). Large

@@ -47,10 +47,15 @@ from hybrid2d.checkpoint.hf_safetensors import (
     plan_shards,
     write_safetensors,
 )
+from hybrid2d.checkpoint.hf_tokens import (
+    GENERATION_CONFIG,
+    HF_CONFIG_COPY,
+    ExportTokens,
+    export_tokens,
+)
 from hybrid2d.checkpoint.reader import iter_model_tensors, model_entries, read_metadata
 from hybrid2d.config import ConfigError, JobConfig, ModelConfig
 
-HF_CONFIG_COPY = "hf_config.json"  # the source's HF config.json, kept verbatim in a DCP dir
 DTYPE_ALIASES = {
     "fp32": torch.float32,
     "float32": torch.float32,
@@ -147,6 +152,7 @@ class Summary:
     memory_method: str = ""
     largest_tensor: int = 0
     files: int = 0
+    tokens: ExportTokens | None = None  # DCP -> HF of a training checkpoint: its token ids
 
     def lines(self, title: str) -> str:
         mib = 2**20
@@ -160,6 +166,7 @@ class Summary:
                 f"  peak memory      +{self.peak_memory_growth / mib:.1f} MiB ({self.memory_method}"
                 f" growth; largest tensor {self.largest_tensor / mib:.1f} MiB, model "
                 f"{self.bytes / mib:.1f} MiB)",
+                *([f"  token ids        {self.tokens.describe()}"] if self.tokens else []),
             ]
         )
 
@@ -339,12 +346,19 @@ def convert_dcp_to_hf(
             with open(os.path.join(tmp, INDEX_NAME), "w") as f:
                 json.dump(index, f, indent=2)
         out_dtype = specs[0].dtype if specs else torch.float32
-        config = dict(hf) if hf is not None else hf_config_from_model(cfg, out_dtype)
-        if hf is not None and dtype is not None:
-            for key in ("torch_dtype", "dtype"):
-                if key in config:
-                    config[key] = str(dtype).removeprefix("torch.")
+        if hf is not None:  # a conversion: the source's config (and generation config) as is
+            config = dict(hf)
+            if dtype is not None:
+                for key in ("torch_dtype", "dtype"):
+                    if key in config:
+                        config[key] = str(dtype).removeprefix("torch.")
+        else:  # a training checkpoint: the token ids of the model it started from, or its own
+            summary.tokens = export_tokens(src, cfg)
+            config = hf_config_from_model(cfg, out_dtype) | summary.tokens.config
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
         _copy_aux(src, tmp)
+        if summary.tokens is not None:
+            with open(os.path.join(tmp, GENERATION_CONFIG), "w") as f:
+                json.dump(summary.tokens.generation, f, indent=2)
     return summary

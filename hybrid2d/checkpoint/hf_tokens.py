@@ -1,0 +1,214 @@
+"""The special token ids of an export: config.json's bos/eos/pad_token_id, generation_config.json.
+
+transformers reads which token starts a text, which ends it and which pads from config.json,
+and where `generate` stops from generation_config.json (without one, from config.json's
+eos_token_id; with neither, it never stops before max_new_tokens). A conversion
+(tools/convert_hf_to_dcp.py) keeps the source's config.json as hf_config.json and its
+generation_config.json, and the export writes them back unchanged. A training checkpoint holds
+neither: only the run's config.json (its checkpoint.init_from names the model the run started
+from) and the tokenizer files. For a training checkpoint the ids are therefore
+
+- the source's own, when checkpoint.init_from (followed through `dcp:` checkpoints that started
+  from another; a relative path is taken from the current directory) still leads to its HF
+  config, for a model of the checkpoint's shape whose tokenizer.json (if any) is the
+  checkpoint's;
+- otherwise derived from the tokenizer saved with the checkpoint: bos is tokenizer_config.json's
+  bos_token, else the end-of-text token (training data puts one before each document); eos is
+  its eos_token, the chat template's end-of-turn token (`data.chat.end_of_turn_ids`), else the
+  end-of-text token (`data.tokenizer.eos_id`); pad is its pad_token, if it names one.
+
+Where both exist they are compared, and a disagreement is reported (the source's ids are kept).
+generation_config.json (the source's, if it has one; else the ids above) stops at the config's
+eos ids, the end-of-turn token and the end-of-text token: where tools/generate.py stops. The
+instruction data ends prompt/completion samples with the end-of-text token and chat turns with
+the end-of-turn token, so a fine-tuned model may end its answer with either.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from hybrid2d.checkpoint import layout
+from hybrid2d.checkpoint.hf import config_mismatch, model_config_from_hf, parse_init_from
+from hybrid2d.checkpoint.hf_safetensors import CheckpointError
+from hybrid2d.config import ConfigError, ModelConfig
+from hybrid2d.data.chat import TOKENIZER_CONFIG, end_of_turn_ids
+from hybrid2d.data.tokenizer import eos_id
+
+HF_CONFIG_COPY = "hf_config.json"  # the source's HF config.json, kept verbatim in a DCP dir
+GENERATION_CONFIG = "generation_config.json"
+TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+MAX_HOPS = 16  # init_from chains followed at most this far (a loop ends there too)
+
+
+@dataclass
+class ExportTokens:
+    config: dict  # TOKEN_KEYS -> id, list of ids or None, for config.json
+    generation: dict  # generation_config.json
+    source: str  # where `config` came from, for the summary
+    notes: list[str] = field(default_factory=list)  # disagreements, a source not found
+
+    def describe(self) -> str:
+        ids = [f"{k.removesuffix('_token_id')} {self.config[k]}" for k in self.config]
+        stops = self.generation.get("eos_token_id")
+        line = f"{', '.join(ids) or 'none'} ({self.source}); generate stops at {stops}"
+        return "; ".join([line, *self.notes])
+
+
+@dataclass
+class TokenizerIds:
+    """The ids the tokenizer files of a directory imply."""
+
+    config: dict  # TOKEN_KEYS -> id or None
+    stops: list[int]  # end-of-turn ids, then the end-of-text id: tools/generate.py's stops
+
+
+def _ids(value) -> list[int]:
+    """An eos_token_id value (an id, a list of ids or None) as a list."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else [i for i in value if isinstance(i, int)]
+
+
+def _one_or_list(ids: list[int]) -> int | list[int] | None:
+    ids = list(dict.fromkeys(ids))
+    return None if not ids else ids[0] if len(ids) == 1 else ids
+
+
+def _read_json(path: Path) -> dict | None:
+    """A JSON object from path, None if it is missing or no JSON object."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _named_token_id(config: dict, key: str, tok: Tokenizer) -> int | None:
+    """The id of the token tokenizer_config.json names under key (a string, or an AddedToken
+    object with its text under "content"), None if it names none the tokenizer knows."""
+    value = config.get(key)
+    text = value.get("content") if isinstance(value, dict) else value
+    return tok.token_to_id(text) if isinstance(text, str) and text else None
+
+
+def tokenizer_ids(directory: Path) -> TokenizerIds | None:
+    """The ids the tokenizer.json and tokenizer_config.json in directory imply (module doc);
+    None without a readable tokenizer.json."""
+    path = directory / layout.TOKENIZER
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception:  # missing, or not a tokenizers file: the library raises plain Exception
+        return None
+    try:
+        text_end = eos_id(tok)
+    except ConfigError:  # none of the end-of-text tokens
+        text_end = None
+    turn_end = sorted(end_of_turn_ids(str(path), tok))
+    config = _read_json(directory / TOKENIZER_CONFIG) or {}
+    bos = _named_token_id(config, "bos_token", tok)
+    ids = {
+        "bos_token_id": bos if bos is not None else text_end,
+        "eos_token_id": turn_end[0] if turn_end else text_end,
+        "pad_token_id": _named_token_id(config, "pad_token", tok),
+    }
+    stops = [*turn_end, *([text_end] if text_end is not None else [])]
+    return TokenizerIds(ids, list(dict.fromkeys(stops)))
+
+
+@dataclass
+class _Source:
+    hf: dict  # its HF config.json
+    generation: dict | None  # its generation_config.json
+    where: str  # its config's path
+
+
+def _same_tokenizer(a: Path, b: Path) -> bool:
+    try:
+        return Tokenizer.from_file(str(a)).to_str() == Tokenizer.from_file(str(b)).to_str()
+    except Exception:  # the tokenizers library raises plain Exception
+        return False
+
+
+def source_config(step: Path, cfg: ModelConfig) -> tuple[_Source | None, str]:
+    """(the HF config of the model a training checkpoint started from, or None; why not)."""
+    d = step
+    for _ in range(MAX_HOPS):
+        run = _read_json(d / layout.CONFIG) or {}
+        init = (run.get("checkpoint") or {}).get("init_from") or ""
+        if not init:
+            return None, ""  # trained from scratch (or from a checkpoint that was)
+        where = init
+        try:
+            kind, path = parse_init_from(init)
+        except CheckpointError:
+            return None, f"checkpoint.init_from={init!r} is no 'hf:' or 'dcp:' path"
+        p = Path(path)
+        hf_path = p / ("config.json" if kind == "hf" else HF_CONFIG_COPY)
+        if kind == "dcp" and not hf_path.is_file() and (p / layout.CONFIG).is_file():
+            d = p  # a training checkpoint that started from another: follow its init_from
+            continue
+        hf = _read_json(hf_path)
+        if hf is None:
+            return None, f"{where}: {hf_path} not found"
+        try:
+            found = model_config_from_hf(hf, str(hf_path))
+        except CheckpointError as e:
+            return None, f"{where}: {e}"
+        if config_mismatch(found, cfg):
+            return None, f"{where}: {hf_path} is a model of another shape now"
+        theirs, ours = p / layout.TOKENIZER, step / layout.TOKENIZER
+        if theirs.is_file() and ours.is_file() and not _same_tokenizer(theirs, ours):
+            return None, f"{where}: the run trained with another tokenizer than {theirs}"
+        return _Source(hf, _read_json(p / GENERATION_CONFIG), str(hf_path)), ""
+    return None, f"checkpoint.init_from chain longer than {MAX_HOPS} from {step}"
+
+
+def _disagreements(source: dict, derived: dict, tokenizer: str) -> list[str]:
+    """Where the tokenizer's ids differ from the source config's (both known)."""
+    notes = []
+    for key in TOKEN_KEYS:
+        theirs, ours = source.get(key), derived.get(key)
+        if theirs is None or ours is None:
+            continue
+        if ours not in _ids(theirs):
+            notes.append(
+                f"{tokenizer} implies {key} {ours}, the source's config has {theirs} (kept)"
+            )
+    return notes
+
+
+def export_tokens(step: str | Path, cfg: ModelConfig) -> ExportTokens:
+    """config.json's token ids and generation_config.json for an export of a training checkpoint
+    (a DCP directory without hf_config.json); see the module doc."""
+    step = Path(step)
+    derived = tokenizer_ids(step)
+    source, missing = source_config(step, cfg)
+    notes = [f"source's ids not used: {missing}"] if missing else []
+    if source is not None:
+        ids = {k: source.hf[k] for k in TOKEN_KEYS if k in source.hf}
+        where = f"from {source.where}"
+        if derived is not None:
+            notes += _disagreements(source.hf, derived.config, "the checkpoint's tokenizer")
+        generation = dict(source.generation or ids)
+    elif derived is not None:
+        ids = dict(derived.config)
+        where = f"from the checkpoint's {layout.TOKENIZER} / {TOKENIZER_CONFIG}"
+        generation = dict(ids)
+    else:
+        ids = dict.fromkeys(TOKEN_KEYS)  # null: transformers must not invent Llama's 1 and 2
+        where = f"no {layout.TOKENIZER} in the checkpoint"
+        generation = dict(ids)
+    own = _read_json(step / GENERATION_CONFIG)  # none in today's training checkpoints
+    if own is not None:
+        generation = own
+    stops = _ids(generation.get("eos_token_id", ids.get("eos_token_id")))
+    stops += derived.stops if derived is not None else []
+    if _one_or_list(stops) != generation.get("eos_token_id"):
+        generation["eos_token_id"] = _one_or_list(stops)
+        generation.pop("_from_model_config", None)  # no longer what config.json implies
+    return ExportTokens(ids, generation, where, notes)
