@@ -1,6 +1,7 @@
 """Preemption: SIGTERM (or SIGUSR1, which SLURM can send ahead of time with --signal) asks the
 run to save a checkpoint at the current step and exit cleanly. Under torchrun --max_restarts
-only SIGUSR1 does (see preemption_signals).
+only SIGUSR1 does (see preemption_signals). Ctrl-C (SIGINT) does the same, and says so at once;
+a second Ctrl-C stops at once, without that checkpoint (KeyboardInterrupt).
 
 Signals reach ranks at slightly different moments, so the handler only sets a flag; once per
 step the ranks agree (a one-element MAX all-reduce) and all stop after the same step. A rank can
@@ -33,12 +34,15 @@ import torch.distributed as dist
 
 
 def preemption_signals() -> tuple[signal.Signals, ...]:
-    """SIGUSR1 always. SIGTERM too, unless the launcher restarts failed workers
+    """SIGUSR1 and SIGINT always. SIGTERM too, unless the launcher restarts failed workers
     (torchrun --max_restarts > 0): its agent stops the surviving ranks with SIGTERM after a
     failure and restarts them, which must not be mistaken for a preemption."""
     if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0:
-        return (signal.SIGUSR1,)
-    return (signal.SIGTERM, signal.SIGUSR1)
+        return (signal.SIGINT, signal.SIGUSR1)
+    return (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
+_CTRL_C = "\nCtrl-C: stopping after this step with a checkpoint (again: stop now, without it)\n"
 
 
 class Preemption:
@@ -60,6 +64,7 @@ class Preemption:
         self._acted = threading.Event()  # a step boundary saw the request: disarms the watchdog
         self._progress_at = 0.0  # monotonic time of the last progress() (read by the watchdog)
         self._closed = False
+        self._interrupted = False  # a first Ctrl-C came
         self._wakeup = None  # (read socket, write socket, previous wakeup fd)
         self._watchdog: threading.Thread | None = None
         if threading.current_thread() is threading.main_thread():
@@ -69,7 +74,13 @@ class Preemption:
                 self._start_watchdog()
 
     def _handle(self, signum, frame) -> None:
-        self.signal_name = signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            if self._interrupted:
+                raise KeyboardInterrupt  # Ctrl-C again: stop now
+            self._interrupted = True
+            if int(os.environ.get("RANK", 0)) == 0:  # os.write: safe inside a handler
+                os.write(2, _CTRL_C.encode())
+        self.signal_name = self.signal_name or signal.Signals(signum).name
 
     def progress(self) -> None:
         """Work between step boundaries is moving (a validation batch, a save starting): a
@@ -88,9 +99,11 @@ class Preemption:
 
     def close(self) -> None:
         """Restore the previous handlers; after a stop, ignore these signals instead (the
-        process is exiting on purpose, and the launcher's SIGKILL still ends a hung one)."""
+        process is exiting on purpose, and the launcher's SIGKILL still ends a hung one), except
+        Ctrl-C, which stays the user's way to stop at once."""
         for sig, handler in self._previous.items():
-            signal.signal(sig, signal.SIG_IGN if self.stopping else handler)
+            ignore = self.stopping and sig != signal.SIGINT
+            signal.signal(sig, signal.SIG_IGN if ignore else handler)
         self._previous.clear()
         self._stop_watchdog()
 

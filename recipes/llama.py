@@ -64,6 +64,15 @@ def main(argv: list[str] | None = None) -> int:
         except CollectiveError as e:  # a rank alone: every rank says what it saw
             print(f"error: {e}", file=sys.stderr, flush=True)
             return 4
+    except KeyboardInterrupt:  # Ctrl-C before training, or a second one during it
+        if rank == 0:
+            print(
+                "error: interrupted (Ctrl-C): nothing saved since the newest checkpoint "
+                "(one Ctrl-C during training saves the step it is on)",
+                file=sys.stderr,
+                flush=True,
+            )
+        return 130
     except (ConfigError, FloatingPointError) as e:  # FloatingPointError: trainer.NonFiniteError
         if rank == 0:  # the message names the setting, or the step that was not finite
             print(f"error: {e}", file=sys.stderr, flush=True)

@@ -133,3 +133,53 @@ def test_sigusr1_during_an_async_save_finishes_it_saves_the_current_step_and_exi
     assert latest.read_text().strip() == f"step-{stopped:07d}"
     assert (run_dir / "checkpoints" / "step-0000050").is_dir()
     assert f"saved a checkpoint at step {stopped}" in out
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_saves_the_step_and_twice_stops_at_once(tmp_path, presses):
+    """One process: one Ctrl-C says at once that the run stops after this step, saves it and
+    exits 0 (as SIGTERM does); a second one stops at once with one error line and exit 130.
+    Ctrl-C used to end in a KeyboardInterrupt traceback and no checkpoint."""
+    import sys
+
+    run_dir = tmp_path / "run"
+    # The step lines on stdout tell when training runs; 2,000 steps: ends even if no signal
+    # arrives, so a broken test fails instead of hanging.
+    cmd = [sys.executable, "recipes/llama.py", *SMALL, "--metrics.progress_bar", "true",
+           "--data.cache_dir", str(tmp_path / "c"), "--train.steps", "2000",
+           "--metrics.run_dir", str(run_dir)]  # fmt: skip
+    job = subprocess.Popen(
+        cmd, cwd=REPO, env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        seen = ""
+        while "step 3/" not in seen:  # training is under way (stdout: the step lines)
+            line = job.stdout.readline()
+            assert line, job.communicate()[1][-3000:]
+            seen += line
+        job.send_signal(signal.SIGINT)
+        said = ""
+        while "Ctrl-C" not in said:  # the line the first Ctrl-C prints at once
+            line = job.stderr.readline()
+            assert line, said + job.communicate()[1][-3000:]
+            said += line
+        if presses == 2:  # the first was handled: this one is not merged into it
+            job.send_signal(signal.SIGINT)
+        out, err = job.communicate(timeout=300)
+        err = said + err
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert "Ctrl-C: stopping after this step with a checkpoint" in err
+    assert "Traceback" not in err, err[-3000:]
+    if presses == 1:
+        assert job.returncode == 0, err[-3000:]
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["preempted"] and summary["steps"] >= 3, summary
+        latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+        assert latest == f"step-{summary['steps']:07d}"
+        assert f"SIGINT: saved a checkpoint at step {summary['steps']}" in out
+    else:
+        assert job.returncode == 130, err[-3000:]
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "interrupted (Ctrl-C)" in errors[0], err[-3000:]
