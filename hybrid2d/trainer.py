@@ -400,10 +400,11 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
                     "grad_norm": f"{result.grad_norm:.3f}",
                     "tok_s": f"{tps:,.0f}",
                 }
-                if evals:
+                evaluated = bool(evals) and evals[-1]["step"] == result.step
+                if evals and (evaluated or isinstance(bar, _Bar)):  # a line: only when it ran
                     post["val_loss"] = f"{evals[-1]['loss']:.4f}"
                     post["val_ppl"] = f"{evals[-1]['ppl']:.2f}"
-                bar.show(result.step, post, logged or (evals and evals[-1]["step"] == result.step))
+                bar.show(result.step, post, logged or evaluated)
             preemption.progress()  # a save may follow: timeout_s for it, not since the signal
             ckpt.maybe_save(trainer.step)
             if trainer.step == cfg.checkpoint.stop_after:

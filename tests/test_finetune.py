@@ -207,7 +207,8 @@ def test_instruction_run_with_validation_reports_everywhere(chat_dirs, tmp_path)
     # stderr is no terminal here: progress is a line per step, validation on steps 2 and 4.
     shown = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert [line.split()[1] for line in shown] == ["1/4", "2/4", "3/4", "4/4"], proc.stdout
-    assert "val_loss" in shown[1] and "val_ppl" in shown[3] and "val_loss" not in shown[0]
+    assert ["val_loss" in line for line in shown] == [False, True, False, True], shown
+    assert "val_ppl" in shown[3]
     assert "\r" not in proc.stderr
     s = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert [v["step"] for v in s["val"]] == [2, 4]
