@@ -398,6 +398,20 @@ class JobConfig:
                 f"train.global_batch={t.global_batch} is not divisible by the data-parallel size "
                 f"{dp} (dp_replicate x dp_shard); use a multiple of {dp}"
             )
+        if t.seq_len > m.max_position_embeddings:
+            raise ConfigError(
+                f"train.seq_len={t.seq_len} is longer than model.max_position_embeddings="
+                f"{m.max_position_embeddings}, the positions the model is built for (and its "
+                "export says); use a shorter seq_len, or for a new model a larger "
+                "model.max_position_embeddings"
+            )
+        c = self.checkpoint
+        if c.stop_after and c.stop_after >= t.steps:
+            raise ConfigError(
+                f"checkpoint.stop_after={c.stop_after} is not before the last step "
+                f"(train.steps={t.steps}), so it would not stop the run early; use a step below "
+                f"{t.steps}, or 0"
+            )
         d = self.data
         if d.val_path and d.val_fraction:
             raise ConfigError(

@@ -1,6 +1,7 @@
 """Bad settings: one line naming the setting, exit 2, before any process group."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -514,3 +515,25 @@ def test_a_run_whose_planned_peak_exceeds_the_hosts_memory_is_refused_before_bui
     assert estimate(cfg, MeshShape(1, 1, 1), target="cpu").peak > ram  # the premise
     line = error_line(run_cli(*batch, "--train.steps", "1", timeout=120))
     assert "more than this host's RAM" in line and "--parallel.check_memory false" in line
+
+
+@pytest.mark.parametrize(
+    "settings,words",
+    [
+        (["--train.seq_len", "4096"], "train.seq_len=4096 is longer than model.max_position"),
+        (["--train.seq_len", "2048"], None),
+        (["--train.steps", "4", "--checkpoint.stop_after", "9"], "checkpoint.stop_after=9 is not"),
+        (["--train.steps", "4", "--checkpoint.stop_after", "4"], "checkpoint.stop_after=4 is not"),
+        (["--train.steps", "4", "--checkpoint.stop_after", "3"], None),
+    ],
+)
+def test_settings_that_would_be_ignored_or_outgrow_the_model_are_refused(settings, words):
+    """A sequence longer than the positions the model is built for trained silently (and its
+    export said the shorter length); a stop_after at or past the last step was ignored."""
+    cfg = JobConfig()  # llama-debug: max_position_embeddings 2048
+    apply_overrides(cfg, settings)
+    if words is None:
+        cfg.validate(1)
+        return
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        cfg.validate(1)
