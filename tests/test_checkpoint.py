@@ -293,3 +293,20 @@ def test_sampling_greedy_top_k_and_seed():
 def test_saved_steps_follow_every_save_final_and_stop_after(every, save_final, stop_after, saved):
     ck = CheckpointConfig(every=every, save_final=save_final, stop_after=stop_after)
     assert [step for step in range(1, 21) if save_due(ck, 20, step)] == saved
+
+
+def test_a_resume_names_the_settings_changed_since_its_checkpoint():
+    """Resuming with other data or batch settings is allowed (the data position carries over),
+    but said: it went unnoticed before. The step count, micro batch and mesh are free."""
+    from hybrid2d.checkpoint.dcp import changed_since
+    from hybrid2d.config import JobConfig
+
+    saved, now = JobConfig(), JobConfig()
+    assert changed_since(saved, now) == [] and changed_since(None, now) == []
+    now.train.steps, now.train.micro_batch, now.parallel.tp = 99, 2, 2
+    assert changed_since(saved, now) == []
+    now.train.seq_len, now.data.path = 32, "val.jsonl"
+    assert changed_since(saved, now) == [
+        f"train.seq_len {saved.train.seq_len} -> 32",
+        "data.path '' -> 'val.jsonl'",
+    ]

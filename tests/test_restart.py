@@ -98,8 +98,9 @@ def test_sigterm_saves_current_step_and_next_launch_resumes(tmp_path):
     assert f"saved a checkpoint at step {stopped}" in out
 
     job = launch(tmp_path, run_dir, restarts=0)
-    _, err = job.communicate(timeout=600)
+    out, err = job.communicate(timeout=600)
     assert job.returncode == 0, err[-4000:]
+    assert "settings changed" not in out  # the same command line: nothing to report
     resumed = json.loads((run_dir / "summary.json").read_text())
     assert resumed["resumed_from"].endswith(f"step-{stopped:07d}")
     assert resumed["steps"] == STEPS and len(resumed["losses"]) == STEPS - stopped

@@ -417,7 +417,30 @@ class Checkpointer:
         if t.step >= self.cfg.train.steps:
             raise ConfigError(_finished(path, t.step, self.cfg.train.steps))
         print0(f"resumed from {path} at step {t.step} ({time.perf_counter() - start:.2f} s)")
+        changed = changed_since(read_config(path), self.cfg)
+        if changed:
+            print0(f"resumed with settings changed since that checkpoint: {', '.join(changed)}")
         return t.step
+
+
+# Settings a resume may change without changing what is learnt or from which data.
+_FREE_ON_RESUME = {"train.steps", "train.micro_batch", "train.eval_every", "train.device"}
+
+
+def changed_since(saved: JobConfig | None, now: JobConfig) -> list[str]:
+    """'name old -> new' for each train.* / data.* setting that differs from the checkpoint's
+    run (the data position carries over into other data or batches; allowed, but said)."""
+    if saved is None:
+        return []
+    before, after = saved.to_dict(), now.to_dict()
+    return [
+        f"{section}.{key} {before[section][key]!r} -> {value!r}"
+        for section in ("train", "data")
+        for key, value in after[section].items()
+        if f"{section}.{key}" not in _FREE_ON_RESUME
+        and key != "cache_dir"
+        and before[section].get(key) != value
+    ]
 
 
 def verify_files(path: Path, rank: int, world: int) -> None:
