@@ -343,6 +343,7 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
     )
     if resume_from is not None:
         ckpt.load(resume_from)
+    first_step = trainer.step + 1  # this launch's first step (after a resume: not 1)
     if main:
         write_run_config(run_dir, cfg)
     writer = MetricsWriter(run_dir if main else None, cfg.metrics.tensorboard)
@@ -449,6 +450,7 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
         "recipe": cfg.recipe,
         "mesh": {"dp_replicate": mesh.dp_replicate, "dp_shard": mesh.dp_shard, "tp": mesh.tp},
         "steps": trainer.step,
+        "first_step": first_step,  # losses[i] is step first_step + i: this launch's steps
         "first_loss": losses[0] if losses else None,
         "last_loss": losses[-1] if losses else None,
         "losses": losses,

@@ -104,3 +104,4 @@ def test_sigterm_saves_current_step_and_next_launch_resumes(tmp_path):
     resumed = json.loads((run_dir / "summary.json").read_text())
     assert resumed["resumed_from"].endswith(f"step-{stopped:07d}")
     assert resumed["steps"] == STEPS and len(resumed["losses"]) == STEPS - stopped
+    assert resumed["first_step"] == stopped + 1 and summary["first_step"] == 1
