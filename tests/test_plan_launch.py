@@ -34,6 +34,41 @@ def test_auto_plan_refuses_settings_it_would_override():
         apply_auto_plan(cfg, 8, 8, profile_for("h100", "cpu"), {"parallel.tp"})
 
 
+def test_auto_plan_refuses_mesh_sizes_from_the_accelerate_config(monkeypatch):
+    """accelerate's parallelism_config (PARALLELISM_CONFIG_* variables) counts as setting the
+    sizes, as --parallel.tp does: plan auto refuses it rather than silently replacing tp 2."""
+    monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "2")
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "2")
+    monkeypatch.delenv("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", raising=False)
+    cfg = recipes.get("llama-debug")
+    with pytest.raises(ConfigError) as e:
+        apply_auto_plan(cfg, 4, 4, profile_for("cpu", "cpu"), set())
+    message = str(e.value)
+    assert message.startswith("parallel.plan=auto chooses parallel.tp, parallel.dp_shard, but")
+    assert "parallelism_config_tp_size=2, parallelism_config_dp_shard_size=2" in message
+    assert "\n" not in message
+    # without them (or with them empty, as apply_launcher_settings reads them) it plans
+    monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "")
+    monkeypatch.delenv("PARALLELISM_CONFIG_DP_SHARD_SIZE")
+    assert apply_auto_plan(cfg, 4, 4, profile_for("cpu", "cpu"), set()).startswith("plan auto")
+
+
+def test_auto_plan_with_an_accelerate_mesh_is_one_error_line():
+    env = launcher_env(PARALLELISM_CONFIG_TP_SIZE="2", PARALLELISM_CONFIG_DP_SHARD_SIZE="2")
+    proc = subprocess.run(
+        [sys.executable, "recipes/llama.py", "--parallel.plan", "auto", "--train.steps", "1"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: parallel.plan=auto chooses"), lines
+    assert "parallelism_config_tp_size=2" in lines[0]
+
+
 def test_unknown_profile_is_one_error_line():
     proc = subprocess.run(
         [sys.executable, "recipes/llama.py", "--parallel.plan_hardware", "h1000"],

@@ -20,6 +20,7 @@ from hybrid2d.planner import Hardware, Link, best_plan, hardware, plan, predict
 from hybrid2d.planner.calibrate import fit_latency_bandwidth
 from hybrid2d.planner.model import flops as planner_flops
 from hybrid2d.planner.model import unit_bytes
+from hybrid2d.planner.search import param_count
 from hybrid2d.profiling.estimate import MeshShape, compute_dtype_bytes, estimate
 from tests.launch import REPO, launcher_env, retry_if_port_taken
 
@@ -681,6 +682,37 @@ def test_no_valid_mesh_says_why_rather_than_nothing_fits(capsys):
     assert plan_tool.main(argv) == 0
     out = capsys.readouterr().out
     assert "no valid plan: " in out and "nothing fits" not in out, out
+
+
+def test_table_meshes_are_rep_x_shard_x_tp_and_the_size_is_readable(capsys):
+    """Every row names all three sizes (1x4 read as rep x shard x tp was wrong: it is 1x4x1 or
+    1x1x4), and a 5.0M-parameter model is not "0.00B"."""
+    plan_tool = load_tool("plan")
+    argv = ["--recipe", "llama-debug", "--nodes", "1", "--gpus-per-node", "4", "--gpu", "h100"]
+    assert plan_tool.main(argv + ["--top", "100", "--show-rejected"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("llama-debug (5.0M) on 1 node(s)"), out.splitlines()[0]
+    rows = [line.split(" | ") for line in out.splitlines() if re.match(r"\| \d+ \|", line)]
+    assert len(rows) == 48
+    meshes = {row[1] for row in rows}
+    assert meshes == {"4x1x1", "1x4x1", "2x2x1", "2x1x2", "1x2x2", "1x1x4"}, meshes
+    best = re.search(r"^best: (\S+) \(dp_replicate=(\d+) dp_shard=(\d+) tp=(\d+)\)", out, re.M)
+    assert best and best[1] == f"{best[2]}x{best[3]}x{best[4]}", out
+
+
+@pytest.mark.parametrize(
+    "n, text",
+    [
+        (5.0e6, "5.0M"),
+        (8.03e9, "8.0B"),
+        (70.6e9, "70.6B"),
+        (1.2e12, "1.2T"),
+        (3e4, "30.0K"),
+        (7, "7"),
+    ],
+)
+def test_parameter_counts_are_printed_readably(n, text):
+    assert param_count(n) == text
 
 
 def test_cli_exit_code_and_json_fields(tmp_path):

@@ -43,6 +43,7 @@ from hybrid2d.planner.search import (  # noqa: E402
     divisors,
     format_table,
     mesh_label,
+    param_count,
     plan,
 )
 from hybrid2d.profiling.estimate import MeshShape  # noqa: E402
@@ -240,7 +241,7 @@ def run_plan(args, cfg: JobConfig, hw: hwlib.Hardware) -> int:
     took = time.process_time() - started
     fits = sum(c.fits for c in result.candidates)
     print(
-        f"{cfg.recipe} ({cfg.model.num_params() / 1e9:.2f}B) on {args.nodes} node(s) x "
+        f"{cfg.recipe} ({param_count(cfg.model.num_params())}) on {args.nodes} node(s) x "
         f"{args.gpus_per_node} {hw.name} = {world} devices, {hw.memory_bytes / 2**30:.0f} GiB "
         f"each ({args.headroom:.0%} kept free); global batch {cfg.train.global_batch}, seq "
         f"{cfg.train.seq_len}: {len(result.candidates)} candidates ({fits} fit), "

@@ -3,16 +3,20 @@ for the launched configuration, and `parallel.plan=auto` (take the best plan for
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from hybrid2d.config import ConfigError, JobConfig
+from hybrid2d.mesh import LAUNCHER_MESH_ENV
 from hybrid2d.planner import hardware as profiles
 from hybrid2d.planner.hardware import Hardware
 from hybrid2d.planner.model import Candidate, predict
 from hybrid2d.planner.search import best_plan
 from hybrid2d.profiling.estimate import MeshShape
 
-# What parallel.plan=auto chooses; setting one of these on the command line as well is an error.
+# What parallel.plan=auto chooses; setting one of these on the command line, or a mesh size in
+# the accelerate config (its PARALLELISM_CONFIG_* variables), as well is an error.
 PLANNED = (
     "parallel.dp_replicate",
     "parallel.dp_shard",
@@ -55,6 +59,22 @@ def apply_auto_plan(
         raise ConfigError(
             f"parallel.plan=auto chooses {', '.join(both)}; drop --{' --'.join(both)} or use "
             "parallel.plan=manual"
+        )
+    # accelerate's parallelism_config sizes reach the run as PARALLELISM_CONFIG_* variables
+    # (hybrid2d.mesh.apply_launcher_settings has already copied them into cfg); plan auto
+    # would overwrite them, so they are refused exactly as the command-line flags are.
+    launched = [
+        (env.removeprefix("PARALLELISM_CONFIG_").lower(), name, os.environ[env])
+        for env, name in LAUNCHER_MESH_ENV.items()
+        if os.environ.get(env)
+    ]
+    if launched:
+        settings = ", ".join(f"parallelism_config_{key}={value}" for key, _, value in launched)
+        names = ", ".join(f"parallel.{name}" for _, name, _ in launched)
+        raise ConfigError(
+            f"parallel.plan=auto chooses {names}, but accelerate's launch sets them ({settings}: "
+            "the config's parallelism_config, the sizes it leaves out as 1); drop "
+            "parallelism_config from the accelerate config or use parallel.plan=manual"
         )
     best = best_plan(cfg, world, min(per_node, world), hw)
     p = cfg.parallel

@@ -129,8 +129,16 @@ def best_plan(
 
 
 def mesh_label(c: Candidate | Rejected) -> str:
-    rep = f"{c.dp_replicate}x" if c.dp_replicate > 1 else ""
-    return f"{rep}{c.dp_shard}x{c.tp}"
+    """rep x shard x tp, always all three (as the table's header says)."""
+    return f"{c.dp_replicate}x{c.dp_shard}x{c.tp}"
+
+
+def param_count(n: float) -> str:
+    """A parameter count people read: 5.0M, 8.0B, 1.2T (plain below a thousand)."""
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n:.0f}"
 
 
 def format_table(result: Plan, top: int, show_rejected: bool = False) -> str:
