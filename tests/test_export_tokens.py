@@ -34,7 +34,7 @@ from hybrid2d.data.tokenizer import train_bpe
 from tests.launch import REPO, launcher_env
 
 transformers = pytest.importorskip("transformers")
-from tests.workers.hf_chat import make_tokenizer  # noqa: E402
+from tests.workers.hf_chat import make_chat_model  # noqa: E402
 
 VOCAB = 512
 # The user's model: bos 0 (<|endoftext|> in make_tokenizer's vocabulary), eos 2 (<|im_end|>).
@@ -64,21 +64,7 @@ def tool(name):
 def make_source(path: Path, **ids):
     """A tiny random LlamaForCausalLM (GQA 4/2, tied embeddings) with bos/eos/pad `ids`, and a
     ChatML tokenizer whose tokenizer_config.json names eos <|im_end|> and pad <|endoftext|>."""
-    cfg = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        **(SOURCE_IDS | ids),
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    model.save_pretrained(str(path))
-    make_tokenizer(str(path), vocab=VOCAB)
+    model = make_chat_model(str(path), vocab=VOCAB, **(SOURCE_IDS | ids))
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))

@@ -69,8 +69,11 @@ def make_tokenizer(path: str, vocab: int = VOCAB) -> None:
         )
 
 
-def make_chat_model(path: str, seed: int = 0, tokenizer: bool = True):
-    """A random tiny LlamaForCausalLM (GQA, tied embeddings) with the tokenizer above."""
+def make_chat_model(
+    path: str, seed: int = 0, tokenizer: bool = True, vocab: int = VOCAB, **token_ids
+):
+    """A random tiny LlamaForCausalLM (GQA, tied embeddings) with the tokenizer above;
+    `token_ids` (bos_token_id, ...) go into its config (eos_token_id 2 unless given)."""
     import transformers
 
     cfg = transformers.LlamaConfig(
@@ -79,16 +82,16 @@ def make_chat_model(path: str, seed: int = 0, tokenizer: bool = True):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         max_position_embeddings=256,
         tie_word_embeddings=True,
-        eos_token_id=2,
+        **({"eos_token_id": 2} | token_ids),
     )
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(cfg).eval()
     model.save_pretrained(path, max_shard_size="100KB")
     if tokenizer:
-        make_tokenizer(path)
+        make_tokenizer(path, vocab=vocab)
     return model
 
 
