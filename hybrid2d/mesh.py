@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 import os
 import re
-import sys
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -258,7 +257,7 @@ def is_main_process() -> bool:
     return world_from_env()[0] == 0
 
 
-def print0(*args, file=sys.stdout) -> None:
+def print0(*args, file=None) -> None:  # None: sys.stdout at call time
     if is_main_process():
         print(*args, file=file, flush=True)
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from hybrid2d.checkpoint import integrity, layout, standalone
-from hybrid2d.checkpoint.dcp import find_resume, save_due
+from hybrid2d.checkpoint.dcp import find_resume, save_due, verify_files
 from hybrid2d.checkpoint.reader import (
     check_model_shapes,
     expected_model_shapes,
@@ -187,6 +187,25 @@ def test_damaged_metadata_is_one_clear_error(model_ckpt):
     cfg.checkpoint.resume = str(path)
     with pytest.raises(ConfigError, match="cannot be read .*truncated or corrupted"):
         find_resume(cfg, path.parent)
+
+
+def test_deleted_metadata_is_called_damaged_not_foreign(model_ckpt):
+    path, _, _ = model_ckpt
+    (path / layout.METADATA).unlink()
+    with pytest.raises(ConfigError, match="is damaged: it has .distcp data files but no .metadata"):
+        read_metadata(path)
+
+
+def test_missing_checksums_is_said_before_loading_unverified(model_ckpt, capsys):
+    path, _, _ = model_ckpt
+    integrity.write(path, integrity.describe(path, integrity.checkpoint_files(path)))
+    verify_files(path, 0, 1)
+    assert "unverified" not in capsys.readouterr().out
+    (path / layout.CHECKSUMS).unlink()
+    verify_files(path, 0, 1)
+    assert f"checkpoint {path} has no checksums.json; its files are loaded unverified" in (
+        capsys.readouterr().out
+    )
 
 
 def test_truncated_data_file_without_checksums_is_one_clear_error(model_ckpt):

@@ -448,6 +448,10 @@ def verify_files(path: Path, rank: int, world: int) -> None:
     problem = integrity.verify(path, rank, world)
     if problem:
         raise ConfigError(f"checkpoint {path} is damaged: {problem}; resume from an earlier one")
+    if not (path / layout.CHECKSUMS).is_file():  # every save writes one: deleted, or very old
+        print0(
+            f"note: checkpoint {path} has no {layout.CHECKSUMS}; its files are loaded unverified"
+        )
 
 
 def _maybe_kill_for_test(step: int, rank: int) -> None:

@@ -40,6 +40,12 @@ def read_metadata(path: Path) -> Metadata:
     if not path.is_dir():
         raise ConfigError(f"{path} is not a directory (expected a DCP checkpoint directory)")
     if not (path / layout.METADATA).is_file():
+        if any(p.suffix == ".distcp" for p in path.iterdir()):
+            raise ConfigError(
+                f"checkpoint {path} is damaged: it has .distcp data files but no "
+                f"{layout.METADATA} (DCP writes it last: the save did not finish, or it was "
+                "deleted); use an earlier checkpoint"
+            )
         found = sorted(p.name for p in path.iterdir())[:5]
         raise ConfigError(
             f"{path} is not a DCP checkpoint directory: it has no {layout.METADATA} (it holds "
