@@ -151,6 +151,15 @@ def test_text_then_instruction_lines_is_a_mixed_format_error(tok_dir, tmp_path):
     assert "set data.text_field" not in msg, msg
 
 
+def test_instruction_then_text_lines_is_a_mixed_format_error(tok_dir, tmp_path):
+    f = tmp_path / "chatfirst.jsonl"
+    f.write_text(json.dumps(GOOD) + "\n" + json.dumps({"text": "some text"}) + "\n")
+    with pytest.raises(ConfigError) as e:  # said only: has neither prompt/completion nor messages
+        build_run_data(job(tmp_path, tok_dir, path=str(f)), 0, 1, True, lambda: None)
+    mixed = f"while {f}:1 is instruction data: mixed formats"
+    one_line(e, f"{f}:2: has neither", mixed, "separate files")
+
+
 def test_instruction_data_forced_to_text_says_so(tmp_path):
     f = tmp_path / "chat.jsonl"
     f.write_text(json.dumps(GOOD) + "\n")

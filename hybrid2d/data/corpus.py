@@ -166,7 +166,7 @@ def _read_txt(p: pathlib.Path, cfg: DataConfig, setting: str, text_seen: list) -
     yield text
 
 
-_INSTRUCTION_KEYS = frozenset({"messages", "prompt", "completion"})
+INSTRUCTION_KEYS = frozenset({"messages", "prompt", "completion"})
 
 
 def _read_jsonl(p: pathlib.Path, cfg: DataConfig, setting: str, text_seen: list) -> Iterator[str]:
@@ -187,7 +187,7 @@ def _read_jsonl(p: pathlib.Path, cfg: DataConfig, setting: str, text_seen: list)
                     f"{setting}={cfg.path!r}: {p}:{lineno} is not valid JSON "
                     f"({e.msg}); write one JSON object per line"
                 ) from None
-            instruction = isinstance(record, dict) and sorted(_INSTRUCTION_KEYS & record.keys())
+            instruction = isinstance(record, dict) and sorted(INSTRUCTION_KEYS & record.keys())
             if instruction and field not in record:
                 raise _instruction_among_text(p, lineno, instruction, cfg, setting, text_seen)
             if not isinstance(record, dict) or field not in record:

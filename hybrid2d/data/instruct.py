@@ -35,7 +35,7 @@ from tokenizers import Tokenizer
 
 from hybrid2d.config import ConfigError
 from hybrid2d.data.chat import ChatTemplate, TemplateRenderError
-from hybrid2d.data.corpus import not_utf8
+from hybrid2d.data.corpus import INSTRUCTION_KEYS, not_utf8
 from hybrid2d.data.tokenizer import eos_id, special_tokens_as_text
 
 IGNORE_INDEX = -100
@@ -231,6 +231,7 @@ def build_instruction_arrays(
     eos = eos_id(tok)
     rows, masks, loss_counts, cut = [], [], [], []
     stats = InstructStats()
+    first: str | None = None  # where the first instruction line is, for the mixed-format error
     for path in files:
         # surrogateescape: a line that is not UTF-8 is reported with its number, not a traceback
         with open(path, encoding="utf-8", errors="surrogateescape") as f:
@@ -244,6 +245,15 @@ def build_instruction_arrays(
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise _bad(where, f"is not valid JSON ({e.msg})") from None
+                plain = isinstance(record, dict) and not INSTRUCTION_KEYS & record.keys()
+                if plain and first is not None:
+                    raise _bad(
+                        where,
+                        f"has neither prompt/completion nor messages (keys: {sorted(record)}), "
+                        f"while {first} is instruction data: mixed formats; a run reads one, so "
+                        "put text and instruction lines in separate files",
+                    )
+                first = first or f"{path}:{lineno}"
                 ids, mask = encode_record(record, tok, template, where, eos)
                 if not any(mask[1:]):  # the first token is never a label
                     raise _bad(where, "has no loss tokens (no completion / assistant text)")
