@@ -28,6 +28,7 @@ import torch
 from hybrid2d.checkpoint import integrity, layout
 from hybrid2d.checkpoint.hf import model_config_from_hf
 from hybrid2d.checkpoint.hf_convert import convert_hf_to_dcp
+from hybrid2d.checkpoint.hf_tokens import SOURCE_CONFIG, source_files
 from hybrid2d.config import JobConfig
 from hybrid2d.data.chat import load_chat_template, tokenizer_side_files
 from hybrid2d.data.tokenizer import train_bpe
@@ -94,9 +95,12 @@ def fine_tune(model, tok_dir: Path, steps: int = 100):
     return model.eval()
 
 
-def write_checkpoint(step: Path, state: dict, hf_config: dict, init_from: str, tokenizer: str):
+def write_checkpoint(
+    step: Path, state: dict, hf_config: dict, init_from: str, tokenizer: str, keep_source=True
+):
     """A step directory as the Checkpointer writes it: DCP {"model": ...}, the run's
     config.json, tokenizer.json (the loaded tokenizer's to_str()), the tokenizer's side files,
+    the source's HF configs (keep_source=False: as checkpoints before 2026-12-06, without),
     checksums.json."""
     import torch.distributed.checkpoint as dcp
     from tokenizers import Tokenizer
@@ -111,8 +115,12 @@ def write_checkpoint(step: Path, state: dict, hf_config: dict, init_from: str, t
     job.checkpoint.init_from, job.data.tokenizer = init_from, tokenizer
     (step / layout.CONFIG).write_text(json.dumps(job.to_dict(), indent=2))
     tok_json = Path(tokenizer) / "tokenizer.json" if Path(tokenizer).is_dir() else Path(tokenizer)
-    (step / layout.TOKENIZER).write_text(Tokenizer.from_file(str(tok_json)).to_str())
-    for name, text in tokenizer_side_files(tokenizer).items():
+    tok_text = Tokenizer.from_file(str(tok_json)).to_str()
+    (step / layout.TOKENIZER).write_text(tok_text)
+    side = tokenizer_side_files(tokenizer)
+    if keep_source:
+        side |= source_files(init_from, job.model, tok_text)
+    for name, text in side.items():
         (step / name).write_text(text)
     integrity.write(step, integrity.describe(step, integrity.checkpoint_files(step)))
     return step
@@ -155,21 +163,33 @@ def finetuned(tmp_path_factory):
     src = root / "src"
     model = fine_tune(make_source(src), src)
     hf_config = json.loads((src / "config.json").read_text())
-    step = write_checkpoint(
-        root / "run" / "checkpoints" / "step-0000100", model.state_dict(), hf_config,
-        f"hf:{src}", str(src),
-    )  # fmt: skip
-    return src, step
+    steps = {
+        keep: write_checkpoint(
+            root / f"run-{keep}" / "checkpoints" / "step-0000100",
+            model.state_dict(),
+            hf_config,
+            f"hf:{src}",
+            str(src),
+            keep_source=keep,
+        )  # fmt: skip
+        for keep in (True, False)
+    }
+    return src, steps
 
 
-@pytest.mark.parametrize("source_kept", [True, False])
+@pytest.mark.parametrize(
+    "source_kept,copy_kept", [(True, True), (False, True), (True, False), (False, False)]
+)
 def test_finetuned_export_stops_at_end_of_turn_in_transformers(
-    finetuned, tmp_path, capsys, source_kept
+    finetuned, tmp_path, capsys, source_kept, copy_kept
 ):
     """The export's config.json and generation_config.json hold the source's ids (read from the
-    source while it is there, derived from the checkpoint's tokenizer once it is gone, with the
-    same result); transformers' greedy generate stops at <|im_end|> where generate.py does."""
-    src, step = finetuned
+    copy the checkpoint keeps; without one, from the source while it is there, else derived
+    from the checkpoint's tokenizer, with the same result); transformers' greedy generate stops
+    at <|im_end|> where generate.py does."""
+    src, steps = finetuned
+    step = steps[copy_kept]
+    assert (step / SOURCE_CONFIG).is_file() is copy_kept
     source_gen = json.loads((src / "generation_config.json").read_text())
     if not source_kept:
         moved = tmp_path / "elsewhere"
@@ -193,13 +213,17 @@ def test_finetuned_export_stops_at_end_of_turn_in_transformers(
     assert generation["eos_token_id"] == [IM_END, END_OF_TEXT]
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
     assert [getattr(loaded.config, k) for k in TOKEN_KEYS] == list(SOURCE_IDS.values())
-    expected_from = f"from {src / 'config.json'}" if source_kept else "from the checkpoint's"
+    if copy_kept:
+        expected_from = f"from {step / SOURCE_CONFIG}"
+    else:
+        expected_from = f"from {src / 'config.json'}" if source_kept else "from the checkpoint's"
     assert expected_from in summary, summary
-    assert ("not found" in summary) is not source_kept, summary
+    assert ("not found" in summary) is (not source_kept and not copy_kept), summary
 
 
+@pytest.mark.parametrize("keep", [False, True])
 def test_source_ids_are_kept_through_dcp_checkpoints_even_where_the_tokenizer_differs(
-    tmp_path, capsys
+    tmp_path, capsys, keep
 ):
     """A source whose bos (1, <|im_start|>) is not what its tokenizer implies, converted to DCP,
     trained from (init_from dcp:), and that run's checkpoint trained from again: the export
@@ -211,17 +235,21 @@ def test_source_ids_are_kept_through_dcp_checkpoints_even_where_the_tokenizer_di
     hf_config = json.loads((src / "config.json").read_text())
     first = write_checkpoint(
         tmp_path / "a" / "step-0000001", model.state_dict(), hf_config,
-        f"dcp:{tmp_path / 'dcp'}", str(tmp_path / "dcp"),
+        f"dcp:{tmp_path / 'dcp'}", str(tmp_path / "dcp"), keep_source=keep,
     )  # fmt: skip
     second = write_checkpoint(
         tmp_path / "b" / "step-0000001", model.state_dict(), hf_config, f"dcp:{first}",
-        str(first),
+        str(first), keep_source=keep,
     )  # fmt: skip
+    if keep:  # the copies alone: neither the conversion nor the first run is needed
+        shutil.rmtree(tmp_path / "dcp")
+        shutil.rmtree(first)
     summary = export(second, tmp_path / "out", capsys, "convert_dcp_to_hf")
     config, generation = written_ids(tmp_path / "out")
     assert config == {"bos_token_id": 1, "eos_token_id": IM_END, "pad_token_id": None}
     assert (generation["bos_token_id"], generation["eos_token_id"]) == (1, [IM_END, END_OF_TEXT])
-    assert str(tmp_path / "dcp" / "hf_config.json") in summary, summary
+    where = second / SOURCE_CONFIG if keep else tmp_path / "dcp" / "hf_config.json"
+    assert f"from {where}" in summary, summary
     assert "implies bos_token_id 0" in summary and "has 1 (kept)" in summary, summary
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
     assert loaded.generation_config.eos_token_id == [IM_END, END_OF_TEXT]
@@ -276,7 +304,8 @@ def test_a_run_from_scratch_exports_its_own_tokenizers_ids(tmp_path, capsys):
 @pytest.mark.slow
 def test_recipe_finetune_then_export_stops_like_generate(tmp_path, capsys):
     """The user's report end to end: recipes/llama.py fine-tunes hf:SRC on chat data (one
-    process, 30 steps), tools/export_checkpoint.py and tools/convert_dcp_to_hf.py export it,
+    process, 30 steps), SRC is deleted, tools/export_checkpoint.py and
+    tools/convert_dcp_to_hf.py export the checkpoint,
     transformers' greedy generate stops at <|im_end|> exactly where generate.py stops."""
     src = tmp_path / "src"
     make_source(src)
@@ -291,7 +320,9 @@ def test_recipe_finetune_then_export_stops_like_generate(tmp_path, capsys):
         cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    export(tmp_path / "run", tmp_path / "out", capsys)
+    shutil.rmtree(src)  # the checkpoint keeps the source's configs: the export needs no source
+    summary = export(tmp_path / "run", tmp_path / "out", capsys)
+    assert SOURCE_CONFIG in summary and "not found" not in summary, summary
     export(tmp_path / "run" / "checkpoints" / "step-0000030", tmp_path / "hf", capsys,
            "convert_dcp_to_hf")  # fmt: skip
     for question in ("What is 3?", "What is 12?"):

@@ -213,7 +213,7 @@ class Checkpointer:
         trainer,
         loader,
         tokenizer=None,
-        tokenizer_files: dict[str, str] | None = None,
+        side_files: dict[str, str] | None = None,
     ):
         self.cfg = cfg
         self.ck = cfg.checkpoint
@@ -221,8 +221,9 @@ class Checkpointer:
         self.trainer = trainer
         self.loader = loader
         self.tokenizer_json = tokenizer.to_str() if tokenizer is not None else None
-        # tokenizer_config.json, chat_template.jinja, ...: the chat template travels along.
-        self.tokenizer_files = dict(tokenizer_files or {})
+        # Small files every checkpoint carries: the tokenizer's (tokenizer_config.json,
+        # chat_template.jinja, ...) and the source model's HF configs (hf_tokens.source_files).
+        self.side_files = dict(side_files or {})
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.device = trainer.mesh.device
@@ -275,7 +276,7 @@ class Checkpointer:
             (tmp / layout.CONFIG).write_text(json.dumps(self.cfg.to_dict(), indent=2))
             if self.tokenizer_json is not None:
                 (tmp / layout.TOKENIZER).write_text(self.tokenizer_json)
-            for name, text in self.tokenizer_files.items():
+            for name, text in self.side_files.items():
                 (tmp / name).write_text(text)
         dist.barrier()
         state = self.state_dict()

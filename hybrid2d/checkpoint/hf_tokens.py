@@ -5,12 +5,13 @@ and where `generate` stops from generation_config.json (without one, from config
 eos_token_id; with neither, it never stops before max_new_tokens). A conversion
 (tools/convert_hf_to_dcp.py) keeps the source's config.json as hf_config.json and its
 generation_config.json, and the export writes them back unchanged. A training checkpoint holds
-neither: only the run's config.json (its checkpoint.init_from names the model the run started
-from) and the tokenizer files. For a training checkpoint the ids are therefore
+the run's config.json (its checkpoint.init_from names the model the run started from), the
+tokenizer files and, when init_from led to an HF config at the start of the run, a copy of it
+(source_hf_config.json, source_generation_config.json). For a training checkpoint the ids are
 
-- the source's own, when checkpoint.init_from (followed through `dcp:` checkpoints that started
-  from another; a relative path is taken from the current directory) still leads to its HF
-  config, for a model of the checkpoint's shape whose tokenizer.json (if any) is the
+- the source's own: from that copy, else where checkpoint.init_from leads now (followed through
+  `dcp:` checkpoints that started from another; a relative path is taken from the current
+  directory), for a model of the checkpoint's shape whose tokenizer.json (if any) is the
   checkpoint's;
 - otherwise derived from the tokenizer saved with the checkpoint: bos is tokenizer_config.json's
   bos_token, else the end-of-text token (training data puts one before each document); eos is
@@ -41,6 +42,8 @@ from hybrid2d.data.tokenizer import eos_id
 
 HF_CONFIG_COPY = "hf_config.json"  # the source's HF config.json, kept verbatim in a DCP dir
 GENERATION_CONFIG = "generation_config.json"
+SOURCE_CONFIG = "source_hf_config.json"  # a training checkpoint's copy of its source's config
+SOURCE_GENERATION = "source_generation_config.json"  # ... and of its generation_config.json
 TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 MAX_HOPS = 16  # init_from chains followed at most this far (a loop ends there too)
 
@@ -127,45 +130,85 @@ class _Source:
     where: str  # its config's path
 
 
-def _same_tokenizer(a: Path, b: Path) -> bool:
+def _tokenizer_text(path: Path) -> str | None:
     try:
-        return Tokenizer.from_file(str(a)).to_str() == Tokenizer.from_file(str(b)).to_str()
-    except Exception:  # the tokenizers library raises plain Exception
-        return False
+        return Tokenizer.from_file(str(path)).to_str()
+    except Exception:  # missing or unreadable: the tokenizers library raises plain Exception
+        return None
 
 
-def source_config(step: Path, cfg: ModelConfig) -> tuple[_Source | None, str]:
-    """(the HF config of the model a training checkpoint started from, or None; why not)."""
-    d = step
+def _checked(hf: dict, generation, where: str, cfg: ModelConfig, tokenizers) -> tuple:
+    """(_Source, "") if hf is a config of cfg's shape and the tokenizers agree; else (None, why)."""
+    try:
+        found = model_config_from_hf(hf, where)
+    except CheckpointError as e:
+        return None, str(e)
+    if config_mismatch(found, cfg):
+        return None, f"{where} is a model of another shape now"
+    theirs, ours = tokenizers
+    if theirs is not None and ours is not None and theirs != ours:
+        return None, "the run trained with another tokenizer than the source's"
+    return _Source(hf, generation, where), ""
+
+
+def resolve_source(init: str, cfg: ModelConfig, tokenizer: str | None) -> tuple:
+    """(the HF config of the model checkpoint.init_from=init leads to, or None; why not).
+
+    `dcp:` training checkpoints that started from another are followed (the copy they keep,
+    else their own init_from); tokenizer (a tokenizers JSON string, or None) must equal the
+    source's tokenizer.json where that exists."""
     for _ in range(MAX_HOPS):
-        run = _read_json(d / layout.CONFIG) or {}
-        init = (run.get("checkpoint") or {}).get("init_from") or ""
         if not init:
             return None, ""  # trained from scratch (or from a checkpoint that was)
-        where = init
         try:
             kind, path = parse_init_from(init)
         except CheckpointError:
             return None, f"checkpoint.init_from={init!r} is no 'hf:' or 'dcp:' path"
         p = Path(path)
+        if kind == "dcp" and not (p / HF_CONFIG_COPY).is_file():
+            kept = _read_json(p / SOURCE_CONFIG)
+            if kept is not None:
+                tokenizers = (_tokenizer_text(p / layout.TOKENIZER), tokenizer)
+                where = str(p / SOURCE_CONFIG)
+                source = _checked(kept, _read_json(p / SOURCE_GENERATION), where, cfg, tokenizers)
+                return source if source[0] else (None, f"{init}: {source[1]}")
+            if (p / layout.CONFIG).is_file():  # a training checkpoint: follow its init_from
+                run = _read_json(p / layout.CONFIG) or {}
+                init = (run.get("checkpoint") or {}).get("init_from") or ""
+                continue
         hf_path = p / ("config.json" if kind == "hf" else HF_CONFIG_COPY)
-        if kind == "dcp" and not hf_path.is_file() and (p / layout.CONFIG).is_file():
-            d = p  # a training checkpoint that started from another: follow its init_from
-            continue
         hf = _read_json(hf_path)
         if hf is None:
-            return None, f"{where}: {hf_path} not found"
-        try:
-            found = model_config_from_hf(hf, str(hf_path))
-        except CheckpointError as e:
-            return None, f"{where}: {e}"
-        if config_mismatch(found, cfg):
-            return None, f"{where}: {hf_path} is a model of another shape now"
-        theirs, ours = p / layout.TOKENIZER, step / layout.TOKENIZER
-        if theirs.is_file() and ours.is_file() and not _same_tokenizer(theirs, ours):
-            return None, f"{where}: the run trained with another tokenizer than {theirs}"
-        return _Source(hf, _read_json(p / GENERATION_CONFIG), str(hf_path)), ""
-    return None, f"checkpoint.init_from chain longer than {MAX_HOPS} from {step}"
+            return None, f"{init}: {hf_path} not found"
+        tokenizers = (_tokenizer_text(p / layout.TOKENIZER), tokenizer)
+        source = _checked(hf, _read_json(p / GENERATION_CONFIG), str(hf_path), cfg, tokenizers)
+        return source if source[0] else (None, f"{init}: {source[1]}")
+    return None, f"checkpoint.init_from chain longer than {MAX_HOPS}"
+
+
+def source_files(init: str, cfg: ModelConfig, tokenizer: str | None) -> dict[str, str]:
+    """The source's HF config.json and generation_config.json, as files a training checkpoint
+    keeps (SOURCE_CONFIG, SOURCE_GENERATION), so its export finds the source's token ids after
+    the source has moved; {} when init_from leads to none."""
+    source, _ = resolve_source(init, cfg, tokenizer)
+    if source is None:
+        return {}
+    files = {SOURCE_CONFIG: json.dumps(source.hf, indent=2)}
+    if source.generation is not None:
+        files[SOURCE_GENERATION] = json.dumps(source.generation, indent=2)
+    return files
+
+
+def source_config(step: Path, cfg: ModelConfig) -> tuple[_Source | None, str]:
+    """(the HF config of the model a training checkpoint started from, or None; why not): the
+    copy the checkpoint keeps, else where its checkpoint.init_from leads now."""
+    kept = _read_json(step / SOURCE_CONFIG)
+    if kept is not None:
+        where = str(step / SOURCE_CONFIG)
+        return _checked(kept, _read_json(step / SOURCE_GENERATION), where, cfg, (None, None))
+    run = _read_json(step / layout.CONFIG) or {}
+    init = (run.get("checkpoint") or {}).get("init_from") or ""
+    return resolve_source(init, cfg, _tokenizer_text(step / layout.TOKENIZER))
 
 
 def _disagreements(source: dict, derived: dict, tokenizer: str) -> list[str]:
