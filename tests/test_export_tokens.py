@@ -280,7 +280,7 @@ def test_a_run_with_another_tokenizer_gets_that_tokenizers_ids(tmp_path, capsys)
 def test_a_run_from_scratch_exports_its_own_tokenizers_ids(tmp_path, capsys):
     """The project's byte-level BPE (no tokenizer_config.json, no init_from): bos and eos are
     <|endoftext|> (training puts one between documents), pad unknown (null, not Llama's
-    default); transformers loads them."""
+    default); transformers loads them, into the model's configs and the tokenizer's."""
     src = tmp_path / "src"
     model = make_source(src)
     bpe = tmp_path / "bpe"
@@ -299,6 +299,13 @@ def test_a_run_from_scratch_exports_its_own_tokenizers_ids(tmp_path, capsys):
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
     assert loaded.generation_config.eos_token_id == eot
     assert (loaded.config.bos_token_id, loaded.config.pad_token_id) == (eot, None)
+    # Its tokenizer_config.json (it had none): transformers' tokenizer names the same tokens
+    # and encodes as tokenizer.json does, adding nothing.
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    assert (hf_tok.bos_token_id, hf_tok.eos_token_id, hf_tok.pad_token_id) == (eot, eot, None)
+    text = "def answer():\n    return 42\n"
+    assert hf_tok(text)["input_ids"] == tok.encode(text).ids
+    assert hf_tok.model_max_length == loaded.config.max_position_embeddings
 
 
 @pytest.mark.slow

@@ -52,9 +52,11 @@ from hybrid2d.checkpoint.hf_tokens import (
     HF_CONFIG_COPY,
     ExportTokens,
     export_tokens,
+    tokenizer_config,
 )
 from hybrid2d.checkpoint.reader import iter_model_tensors, model_entries, read_metadata
 from hybrid2d.config import ConfigError, JobConfig, ModelConfig
+from hybrid2d.data.chat import TOKENIZER_CONFIG
 
 DTYPE_ALIASES = {
     "fp32": torch.float32,
@@ -361,4 +363,8 @@ def convert_dcp_to_hf(
         if summary.tokens is not None:
             with open(os.path.join(tmp, GENERATION_CONFIG), "w") as f:
                 json.dump(summary.tokens.generation, f, indent=2)
+            tok_config = tokenizer_config(Path(src), summary.tokens, cfg)
+            if tok_config is not None:
+                with open(os.path.join(tmp, TOKENIZER_CONFIG), "w") as f:
+                    json.dump(tok_config, f, indent=2)
     return summary

@@ -255,3 +255,24 @@ def export_tokens(step: str | Path, cfg: ModelConfig) -> ExportTokens:
         generation["eos_token_id"] = _one_or_list(stops)
         generation.pop("_from_model_config", None)  # no longer what config.json implies
     return ExportTokens(ids, generation, where, notes)
+
+
+def tokenizer_config(step: Path, tokens: ExportTokens, cfg: ModelConfig) -> dict | None:
+    """tokenizer_config.json for the export of a checkpoint whose tokenizer came without one
+    (the project's own BPE): the fast-tokenizer class (no token added to what tokenizer.json
+    encodes), the bos/eos/pad tokens of `tokens` by name, the model's length; None where the
+    checkpoint has one (it is copied) or has no tokenizer.json."""
+    if (step / TOKENIZER_CONFIG).is_file():
+        return None
+    try:
+        tok = Tokenizer.from_file(str(step / layout.TOKENIZER))
+    except Exception:  # none, or unreadable: the tokenizers library raises plain Exception
+        return None
+    config = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    for key in TOKEN_KEYS:
+        ids = _ids(tokens.config.get(key))
+        name = tok.id_to_token(ids[0]) if ids else None
+        if name is not None:
+            config[key.removesuffix("_id")] = name
+    config["model_max_length"] = cfg.max_position_embeddings
+    return config
