@@ -41,7 +41,7 @@ from hybrid2d.optim import build_optimizer, build_scheduler, clip_grad_norm
 from hybrid2d.parallel import parallelize
 from hybrid2d.parallel.loss import cross_entropy, loss_tokens
 from hybrid2d.planner.hardware import Hardware, host_memory_bytes
-from hybrid2d.planner.launch import apply_auto_plan, prediction, profile_for
+from hybrid2d.planner.launch import apply_auto_plan, guess_note, prediction, profile_for
 from hybrid2d.preemption import Preemption
 from hybrid2d.profiling.estimate import MeshShape
 from hybrid2d.profiling.profiler import MemoryProfiler
@@ -312,7 +312,12 @@ def planned(cfg: JobConfig, mesh: Mesh, hw: Hardware, per_node: int) -> dict:
         c = prediction(cfg, shape, hw, per_node)
     except ConfigError as e:  # the planner cannot price it: say so, train anyway
         return {"hardware": hw.name, "error": str(e)}
-    return {"hardware": hw.name, "step_s": c.step_s, "peak_bytes": round(c.peak_gib * 2**30)}
+    return {
+        "hardware": hw.name,
+        "step_s": c.step_s,
+        "peak_bytes": round(c.peak_gib * 2**30),
+        "guess": guess_note(hw),
+    }
 
 
 def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
@@ -329,9 +334,10 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
     if "error" in plan:
         print0(f"plan ({plan['hardware']}): no prediction: {plan['error']}")
     else:
+        guess = f"; {plan['guess']}" if plan["guess"] else ""
         print0(
             f"plan ({plan['hardware']} profile): predicted {plan['step_s']:.3g} s/step, "
-            f"{plan['peak_bytes'] / 2**30:.3g} GiB peak per rank"
+            f"{plan['peak_bytes'] / 2**30:.3g} GiB peak per rank{guess}"
         )
     # A bad --checkpoint.resume fails here, on every rank, before data and model are built.
     resume_from = find_resume(cfg, run_dir)
@@ -484,14 +490,15 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
 def _plan_line(p: dict) -> str:
     if "peak_error" in p:
         memory = (
-            f"{p['peak_error']:+.0%} of the measured {p['measured_peak_bytes'] / 2**30:.3g}, "
-            f"{p['peak_measured_as']}"
+            f"against {p['measured_peak_bytes'] / 2**30:.3g} measured ({p['peak_error']:+.0%}, "
+            f"{p['peak_measured_as']})"
         )
     else:
-        memory = "tensors not measured: --profile.memory measures them off CUDA"
+        memory = "(tensors not measured: --profile.memory measures them off CUDA)"
     return (
-        f"  planned        {p['step_s']:.3g} s/step ({p['step_error']:+.0%} of the measured "
-        f"{p['measured_step_s']:.3g}), {p['peak_bytes'] / 2**30:.3g} GiB/rank ({memory})"
+        f"  planned        {p['step_s']:.3g} s/step against {p['measured_step_s']:.3g} measured "
+        f"({p['step_error']:+.0%}{', uncalibrated' if p.get('guess') else ''}), "
+        f"{p['peak_bytes'] / 2**30:.3g} GiB/rank {memory}"
     )
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from hybrid2d import recipes
 from hybrid2d.config import ConfigError
-from hybrid2d.planner.launch import apply_auto_plan, profile_for
+from hybrid2d.planner.launch import apply_auto_plan, guess_note, profile_for
 from hybrid2d.planner.search import best_plan
 from tests.launch import REPO, launcher_env
 
@@ -26,6 +26,27 @@ def test_auto_plan_takes_the_best_plan():
     )
     assert f"tp={best.tp}" in line and f"micro batch {best.micro_batch}" in line
     cfg.validate(8)
+
+
+@pytest.mark.parametrize("gpu", ["NVIDIA H100 80GB HBM3", "NVIDIA L40S"])
+def test_a_gpu_without_a_preset_is_called_a_guess(monkeypatch, gpu):
+    """An L40S used to be priced as an H100 without a word; a known GPU's preset is no guess."""
+    import torch
+
+    class Props:
+        total_memory = 48 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: gpu)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: Props())
+    hw = profile_for("", "cuda")
+    assert hw.name == "h100" and hw.memory_bytes == 48 * 2**30
+    note = guess_note(hw)
+    if "L40S" in gpu:
+        assert note.startswith("NVIDIA L40S has no preset: h100's figures, a guess;"), note
+        assert "--calibrate --device cuda" in note
+    else:
+        assert note == ""
 
 
 def test_auto_plan_refuses_settings_it_would_override():
@@ -85,6 +106,8 @@ def test_unknown_profile_is_one_error_line():
 
 @pytest.mark.slow
 def test_run_prints_and_records_prediction_and_measurement(tmp_path):
+    """With --parallel.plan auto on CPU: what auto chose, the prediction at the start and the
+    measurement beside it at the end, both in summary.json."""
     cmd = [
         sys.executable,
         str(REPO / "recipes/llama.py"),
@@ -103,10 +126,14 @@ def test_run_prints_and_records_prediction_and_measurement(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "plan auto (cpu): dp_replicate=1 x dp_shard=1 x tp=1" in proc.stdout
     assert "plan (cpu profile): predicted" in proc.stdout
-    assert "  planned        " in proc.stdout
+    # The CPU profile is a guess until calibrated: the lines say so and how to measure.
+    assert "uncalibrated; measure this machine with tools/plan.py --calibrate" in proc.stdout
+    planned = next(ln for ln in proc.stdout.splitlines() if ln.startswith("  planned        "))
+    assert " measured (" in planned and ", uncalibrated)" in planned, planned
     summary = json.loads(next(tmp_path.glob("runs/*/summary.json")).read_text())
     plan = summary["plan"]
     assert plan["hardware"] == "cpu" and plan["step_s"] > 0 and plan["peak_bytes"] > 0
+    assert plan["guess"].startswith("this host (") and "--calibrate" in plan["guess"]
     # On CPU the run's peak is process RSS, which the tensor estimate is not compared with.
     assert "peak_error" not in plan and "tensors not measured" in proc.stdout
     assert plan["step_error"] == pytest.approx(plan["step_s"] / plan["measured_step_s"] - 1)

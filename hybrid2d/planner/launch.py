@@ -38,10 +38,23 @@ def profile_for(setting: str, device_type: str) -> Hardware:
     if device_type != "cuda":
         return profiles.get("cpu")
     name = torch.cuda.get_device_name()
-    preset = next((p for key, p in _GPU_NAMES if key in name), "h100")
-    hw = profiles.get(preset)
+    preset = next((p for key, p in _GPU_NAMES if key in name), None)
+    hw = profiles.get(preset or "h100")
     hw.memory_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    if preset is None:  # said in the plan line (guess_note), not silently taken for an H100
+        hw.description = f"{name} has no preset: h100's figures, a guess"
     return hw
+
+
+def guess_note(hw: Hardware) -> str:
+    """Why the profile's figures are only a guess for this machine, with the way to measure
+    them; "" for a preset or a calibrated profile."""
+    if hw.name == "cpu" or hw.description.endswith("a guess"):
+        return (
+            f"{hw.description}; measure this machine with tools/plan.py --calibrate "
+            f"--device {hw.target} --out FILE.json, then --parallel.plan_hardware FILE.json"
+        )
+    return ""
 
 
 def prediction(cfg: JobConfig, mesh: MeshShape, hw: Hardware, per_node: int) -> Candidate:
