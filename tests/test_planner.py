@@ -583,16 +583,53 @@ def test_published_rows_are_predicted_within_15_percent():
         assert abs(error) <= 0.15, (row.label, f"{error:+.0%}")
 
 
-def test_published_active_peak_of_the_same_program_is_within_10_percent():
-    """The one published allocated-like (active) peak of a program that keeps what this trainer
-    keeps (torchtitan's FSDP2 commit: Llama 2 7B, 8-way FSDP, whole-block checkpointing): the
-    estimate within issue 13's 10% of it. The other memory rows measure other programs or
-    are unexplained; docs/planner.md lists them with their errors."""
-    from hybrid2d.planner.published import ROWS, predict_row
+def test_published_memory_of_torchtitans_program_is_within_10_percent():
+    """Issue 13's memory target: every counted published peak within 10% of the estimate of
+    torchtitan's program (its op-level selective checkpointing keeps k, o and up no more;
+    reserved peaks compared through torchtitan's own reserved / active ratio). Held per kind, so
+    neither the ratio nor the selective pricing carries the result alone: the active peaks
+    (allocated bytes, what the estimate counts) within 10% with no ratio at all."""
+    from hybrid2d.planner.published import ROWS, predicted_memory
 
-    (row,) = [r for r in ROWS if r.memory_kind == "active" and r.tp == 1]
-    cand, _ = predict_row(row)
-    assert abs(cand.peak_gib / row.memory_gib - 1) <= 0.10, (cand.peak_gib, row.memory_gib)
+    counted = [r for r in ROWS if r.memory_gib and not r.memory_not_counted]
+    assert len(counted) >= 3
+    assert {r.memory_kind for r in counted} == {"active", "reserved"}
+    assert {r.activation_checkpoint for r in counted if r.memory_kind == "active"} == {
+        "full",
+        "selective",
+    }
+    for row in counted:
+        _, compared = predicted_memory(row)
+        assert abs(compared / row.memory_gib - 1) <= 0.10, (row.label, compared, row.memory_gib)
+
+
+def test_torchtitans_selective_checkpointing_is_priced_by_its_saved_outputs():
+    """Llama 2 7B, 8-way FSDP, batch 8 x 2048: torchtitan's policy keeps neither k, o nor up;
+    the estimate of this trainer's program (which keeps them) is 18.7 GiB more, +34% against
+    the published active peak, where torchtitan's is -4%."""
+    from hybrid2d.planner.published import (
+        ROWS,
+        predict_row,
+        predicted_memory,
+        torchtitan_unsaved_bytes,
+    )
+
+    (row,) = [
+        r for r in ROWS if r.memory_kind == "active" and r.activation_checkpoint == "selective"
+    ]
+    ours, _ = predict_row(row)
+    theirs, _ = predicted_memory(row)
+    m = model_config_from_published(row)
+    per_block = torchtitan_unsaved_bytes(m, row.local_batch * row.seq_len, 1)
+    assert per_block == 8 * 2048 * (4096 + 4096 + 11008) * 2
+    assert ours.peak_gib - theirs == pytest.approx(m.n_layers * per_block / 2**30, rel=1e-9)
+    assert ours.peak_gib / row.memory_gib - 1 > 0.3
+
+
+def model_config_from_published(row):
+    from hybrid2d.planner.published import row_config
+
+    return row_config(row).model
 
 
 def test_profile_round_trips_and_bad_files_are_one_line(tmp_path):
