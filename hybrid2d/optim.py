@@ -42,6 +42,22 @@ def build_scheduler(opt: torch.optim.Optimizer, t: TrainConfig):
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_multiplier(step, t))
 
 
+def follow_settings(opt: torch.optim.Optimizer, scheduler, t: TrainConfig) -> None:
+    """After a resume loaded a checkpoint's optimizer and scheduler state: its param groups hold
+    the saved run's lr, betas and weight decay, and the scheduler its base lr. A resumed run
+    follows this launch's settings (train.lr and the schedule may change on resume), so they
+    are set again, the lr to this schedule's value for the next update."""
+    step = scheduler.last_epoch  # optimizer steps taken
+    scheduler.base_lrs = [t.lr] * len(opt.param_groups)
+    decay = [t.weight_decay, 0.0]  # build_optimizer's groups: matrices, then norms
+    for i, group in enumerate(opt.param_groups):
+        group["initial_lr"] = t.lr
+        group["lr"] = t.lr * lr_multiplier(step, t)
+        if t.optimizer != "sgd":
+            group["betas"] = (t.beta1, t.beta2)
+            group["weight_decay"] = decay[i]
+
+
 def _replication_weight(p: torch.Tensor, world_size: int) -> float:
     """1 / (number of ranks in the world holding the same piece of p)."""
     if not isinstance(p, DTensor):

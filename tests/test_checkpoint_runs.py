@@ -228,6 +228,26 @@ def test_resume_on_another_mesh_and_world_size(straight, crashed, cache, tmp_pat
         assert r["checkpoints"][0]["step"] == 15
 
 
+def test_resume_with_another_lr_and_length_trains_at_the_new_schedule(crashed, cache, tmp_path):
+    """The step-10 checkpoint (lr 3e-3 over 20 steps) resumed with --train.lr 1e-3 over 30 steps:
+    each step's lr is 1e-3 times the 30-step schedule at that step, from the first one on. It
+    used to be the checkpoint's base lr (3x) throughout, and the old schedule's on step 11."""
+    from hybrid2d.config import TrainConfig
+    from hybrid2d.optim import lr_multiplier
+
+    run = tmp_path / "run"
+    args = args_for(cache, run, dp=1, tp=2, resume=str(layout.final_dir(crashed[0], 10)))
+    args += ["--train.lr", "1e-3", "--train.steps", "30", "--checkpoint.stop_after", "12"]
+    args += ["--metrics.progress_bar", "true"]  # step lines on stdout (no terminal)
+    out = train(2, args)[0].stdout
+    assert "train.lr 0.003 -> 0.001" in out, out
+    new = TrainConfig(lr=1e-3, steps=30, warmup_steps=TINY["train.warmup_steps"])
+    for step in (11, 12):
+        line = next(ln for ln in out.splitlines() if ln.startswith(f"step {step}/30 "))
+        shown = float(line.split("  lr ")[1].split()[0])
+        assert shown == pytest.approx(1e-3 * lr_multiplier(step - 1, new), rel=6e-3), line
+
+
 # ---- bad checkpoints -------------------------------------------------------------------------
 
 

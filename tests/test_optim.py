@@ -5,7 +5,13 @@ import pytest
 import torch
 
 from hybrid2d.config import TrainConfig
-from hybrid2d.optim import clip_grad_norm, lr_multiplier
+from hybrid2d.optim import (
+    build_optimizer,
+    build_scheduler,
+    clip_grad_norm,
+    follow_settings,
+    lr_multiplier,
+)
 from tests.launch import check_ok, run_ranks
 
 
@@ -17,6 +23,53 @@ def test_lr_schedule_warmup_then_cosine():
     mid = 10 + 45
     assert math.isclose(lr_multiplier(mid, t), 0.1 + 0.9 * 0.5)
     assert math.isclose(lr_multiplier(100, t), 0.1)
+
+
+def _stepped(t: TrainConfig, steps: int, state=None):
+    """A two-group model's AdamW and schedule after `steps` updates (or loaded from `state`)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    opt = build_optimizer(model, t)
+    sched = build_scheduler(opt, t)
+    if state is not None:
+        opt.load_state_dict(state[0])
+        sched.load_state_dict(state[1])
+        follow_settings(opt, sched, t)
+    for _ in range(steps):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return opt, sched
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_a_resume_follows_this_launchs_lr_and_schedule_not_the_checkpoints(optimizer):
+    """Saved after 10 of 20 steps at lr 3e-3; resumed with lr 1e-3, 14 steps, other betas and
+    weight decay: every update from the first on uses the new settings, as a run started with
+    them would at that step. Before: the checkpoint's base lr (3x) for every step, and the old
+    schedule's lr for the first."""
+    old = TrainConfig(lr=3e-3, steps=20, warmup_steps=4, optimizer=optimizer)
+    new = TrainConfig(
+        lr=1e-3, steps=14, warmup_steps=4, optimizer=optimizer, beta2=0.99, weight_decay=0.5
+    )
+    opt, sched = _stepped(old, 10)
+    resumed, rsched = _stepped(new, 0, (opt.state_dict(), sched.state_dict()))
+    fresh, fsched = _stepped(new, 10)  # the new settings' schedule at the same step
+    for step in (10, 11, 12):
+        want = 1e-3 * lr_multiplier(step, new)
+        assert want != pytest.approx(3e-3 * lr_multiplier(step, new))
+        for group, ref in zip(resumed.param_groups, fresh.param_groups, strict=True):
+            assert group["lr"] == pytest.approx(want) == ref["lr"]
+            for key in ("betas", "weight_decay", "initial_lr"):
+                assert group.get(key) == ref.get(key), key
+        resumed.step()
+        rsched.step()
+        fresh.step()
+        fsched.step()
+    if optimizer == "adamw":
+        assert [g["weight_decay"] for g in resumed.param_groups] == [0.5, 0.0]
+        assert resumed.param_groups[0]["betas"] == (0.9, 0.99)
 
 
 def test_clip_grad_norm_matches_torch_single_process():

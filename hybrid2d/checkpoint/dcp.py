@@ -65,6 +65,7 @@ from hybrid2d.checkpoint.reader import (
 )
 from hybrid2d.config import CheckpointConfig, ConfigError, JobConfig
 from hybrid2d.mesh import agree, print0
+from hybrid2d.optim import follow_settings
 
 # Test hook: "STEP:RANK" makes that rank SIGKILL itself in the save of STEP, after the data was
 # written and before the checkpoint is published (the crash-safety test). Never set it otherwise.
@@ -411,6 +412,7 @@ class Checkpointer:
         set_optimizer_state_dict(t.model, t.optimizer, state[OPTIMIZER])
         saved = state[TRAINER]
         t.scheduler.load_state_dict(saved["scheduler"])
+        follow_settings(t.optimizer, t.scheduler, self.cfg.train)  # not the saved run's lr
         self.loader.load_state_dict(saved["data"])
         set_rng_state(saved["rng"], self.device)
         t.step = int(saved["step"])
