@@ -9,8 +9,9 @@ its latest checkpoint) or a directory written by tools/export_checkpoint.py (or 
 Llama directory with safetensors). The tokenizer is the tokenizer.json saved with the checkpoint
 unless --tokenizer is given. Temperature 0 is greedy decoding. One process, no GPU needed.
 The prompt and the new tokens together may be at most the model's max_position_embeddings (from
-the checkpoint's config), checked before the weights are read. Each new token recomputes the
-whole sequence (the model has no KV cache): a long output takes a while.
+the checkpoint's config), checked before the weights are read. The prompt runs once, then each
+new token runs alone against the cached keys and values of the ones before it
+(hybrid2d/decode.py), so a token costs one token's forward, not the whole sequence's.
 
 --chat renders the question as a user turn (after an optional --system turn) with the chat
 template stored with the tokenizer (chat_template.jinja or tokenizer_config.json), opens the
@@ -42,7 +43,7 @@ def parse(argv):
         type=int,
         default=64,
         help="at least 1; the prompt plus these at most the model's max_position_embeddings "
-        "(no KV cache: each new token recomputes the whole sequence)",
+        "(KV cache: each new token runs one token's forward)",
     )
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
@@ -75,17 +76,32 @@ def sample(
     max_context: int | None = None,
 ) -> list[int]:
     """New token ids after `ids`: greedy at temperature 0, else softmax(logits / T) over the
-    top_k likeliest. Recomputes the whole context per token (no KV cache): small models only."""
+    top_k likeliest. The context is the last max_context tokens (all if None). A `Llama` runs the
+    prompt once and then each new token alone against its KV cache (hybrid2d/decode.py); once
+    the context outgrows max_context, each token reruns the sliding window, as any other model
+    (a callable tokens[b, s] -> logits[b, s, V]) does for every token."""
     import torch
+
+    from hybrid2d.decode import Decoder
+    from hybrid2d.models.llama import Llama
 
     gen = torch.Generator().manual_seed(seed)
     stops = {stop_id} if isinstance(stop_id, int) else set(stop_id or ())
     out: list[int] = []
     context = list(ids)
+    decoder = None
+    if isinstance(model, Llama):
+        longest = len(ids) + max_new_tokens - 1  # the last new token is never fed back
+        decoder = Decoder(model, min(longest, max_context) if max_context else longest)
     with torch.no_grad():
-        for _ in range(max_new_tokens):
+        for i in range(max_new_tokens):
             window = context[-max_context:] if max_context else context
-            logits = model(torch.tensor([window]))[0, -1].float()
+            if decoder is None:
+                logits = model(torch.tensor([window]))[0, -1].float()
+            elif i == 0 or len(window) < len(context):  # the prompt, or a window that slid
+                logits = decoder.prefill(torch.tensor([window]))[0, -1].float()
+            else:  # the cache holds context[:-1]
+                logits = decoder.step(torch.tensor([context[-1:]]))[0, -1].float()
             if temperature == 0:
                 nxt = int(torch.argmax(logits))
             else:
