@@ -823,6 +823,23 @@ def test_check_run_compares_a_run_with_its_prediction(tmp_path, capsys):
     assert "step time  measured 0.500 s" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_emitted_launch_line_carries_each_nodes_rank_and_address(tmp_path, capsys, nodes):
+    """On several nodes the printed command (and the file's header) must carry each node's
+    --machine_rank and the first node's address: without them node 0 waited for an address of
+    None and node 1 failed on the port."""
+    plan_tool = load_tool("plan")
+    config = tmp_path / "plan.yaml"
+    args = ["--recipe", "llama-debug", "--nodes", str(nodes), "--gpus-per-node", "2"]
+    assert plan_tool.main([*args, "--gpu", "h100", "--emit-accelerate-config", str(config)]) == 0
+    out = capsys.readouterr().out
+    command = out.split("with:\n", 1)[1].strip()
+    per_node = "--machine_rank $NODE_RANK --main_process_ip $MASTER_ADDR"
+    assert (per_node in command) is (nodes > 1), command
+    assert f"# {command}" in config.read_text()
+    assert f"num_machines: {nodes}" in config.read_text()
+
+
 # ---- launches (slow) -------------------------------------------------------------------------
 
 

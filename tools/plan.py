@@ -272,19 +272,24 @@ def run_plan(args, cfg: JobConfig, hw: hwlib.Hardware) -> int:
     )
     print("flags: " + " ".join(flags))
     if args.emit_accelerate_config:
+        # Several nodes: each passes its own rank and the first node's address (the file is
+        # the same on every node), as recipes/accelerate/gpu_multinode.yaml says.
+        per_node = (
+            " --machine_rank $NODE_RANK --main_process_ip $MASTER_ADDR" if args.nodes > 1 else ""
+        )
+        command = (
+            f"accelerate launch --config_file {args.emit_accelerate_config}{per_node} "
+            "recipes/llama.py " + " ".join(flags)
+        )
+        on_each = f" on each of the {args.nodes} nodes" if args.nodes > 1 else ""
         comment = (
             f"written by tools/plan.py: the best plan for {cfg.recipe} on {args.nodes} node(s) x "
             f"{args.gpus_per_node} {hw.name}\npredicted {best.step_s:.3g} s/step, "
-            f"{best.peak_gib:.1f} GiB per rank; launch with:\n"
-            f"accelerate launch --config_file {args.emit_accelerate_config} recipes/llama.py "
-            + " ".join(flags)
+            f"{best.peak_gib:.1f} GiB per rank; launch{on_each} with:\n{command}"
         )
         with open(args.emit_accelerate_config, "w") as f:
             f.write(accelerate_config(best, args.nodes, comment))
-        print(
-            f"wrote {args.emit_accelerate_config}; launch with:\n  accelerate launch "
-            f"--config_file {args.emit_accelerate_config} recipes/llama.py " + " ".join(flags)
-        )
+        print(f"wrote {args.emit_accelerate_config}; launch{on_each} with:\n  {command}")
     return 0
 
 
