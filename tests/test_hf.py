@@ -271,6 +271,12 @@ def test_bf16_round_trip_and_dtype_option(tmp_path):
     assert all(c[n].dtype == torch.float32 and torch.equal(c[n], a[n].half().float()) for n in a)
     with open(tmp_path / "back32" / "config.json") as f:
         assert json.load(f)["dtype"] == "float32"
+    # No --dtype on the way back: the config names the dtype written (fp16), not the source's
+    # (bf16), so transformers loads the tensors as they are instead of casting them.
+    convert_dcp_to_hf(str(tmp_path / "dcp16"), str(tmp_path / "back16"), progress=False)
+    assert all(t.dtype == torch.float16 for t in hf_tensors(str(tmp_path / "back16")).values())
+    with open(tmp_path / "back16" / "config.json") as f:
+        assert json.load(f)["dtype"] == "float16"
 
 
 # ---- streaming: peak memory ------------------------------------------------------------------

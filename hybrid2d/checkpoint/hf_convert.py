@@ -350,10 +350,9 @@ def convert_dcp_to_hf(
         out_dtype = specs[0].dtype if specs else torch.float32
         if hf is not None:  # a conversion: the source's config (and generation config) as is
             config = dict(hf)
-            if dtype is not None:
-                for key in ("torch_dtype", "dtype"):
-                    if key in config:
-                        config[key] = str(dtype).removeprefix("torch.")
+            for key in ("torch_dtype", "dtype"):  # but the dtype of what is written (a bf16
+                if key in config:  # DCP of an fp32 source loaded in fp32, doubling its memory)
+                    config[key] = str(out_dtype).removeprefix("torch.")
         else:  # a training checkpoint: the token ids of the model it started from, or its own
             summary.tokens = export_tokens(src, cfg)
             config = hf_config_from_model(cfg, out_dtype) | summary.tokens.config
