@@ -27,6 +27,12 @@ class OneLineParser(argparse.ArgumentParser):
         self._negative_number_matcher = re.compile(r"-\.?\d")  # argparse: "looks like a number"
 
     def error(self, message: str):
+        setting = re.search(r"--(\w+\.\w+)(?:=(\S+)|\s+(\S+))?", message)
+        takes_set = "--set" in self._option_string_actions
+        if message.startswith("unrecognized") and setting and takes_set:
+            # A trainer setting typed as in recipes/llama.py: say how this tool takes it.
+            value = setting.group(2) or setting.group(3) or "VALUE"
+            message += f"; this tool takes recipe settings as --set {setting.group(1)}={value}"
         print(f"error: {message}", file=sys.stderr)
         raise SystemExit(2)
 

@@ -371,16 +371,18 @@ class JobConfig:
         m, t = self.model, self.train
         dp_rep, dp_shard, tp = self.resolve_mesh(world_size)
         dp = dp_rep * dp_shard
-        for what, value in (
+        split = (
             ("model.n_heads", m.n_heads),
             ("model.n_kv_heads", m.n_kv_heads),
             ("model.ffn_dim", m.ffn_dim),
             ("model.vocab_size", m.vocab_size),
-        ):
+        )
+        for what, value in split:
             if value % tp:
+                # The sizes that pass every one of these checks and divide the world.
+                fits = [d for d in _divisors(world_size) if all(v % d == 0 for _, v in split)]
                 raise ConfigError(
-                    f"parallel.tp={tp} does not divide {what}={value}; use tp in "
-                    f"{[d for d in _divisors(value) if d <= world_size]}"
+                    f"parallel.tp={tp} does not divide {what}={value}; use tp in {fits}"
                 )
         if m.dim % m.n_heads:
             raise ConfigError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 import os
 import re
-import warnings
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -47,6 +47,17 @@ def apply_launcher_settings(cfg: JobConfig, set_on_cli: set[str]) -> None:
                 setattr(cfg.parallel, name, int(value))
             except ValueError:
                 raise ConfigError(f"{env}={value!r} is not an integer") from None
+
+
+def launcher_sizes_note(set_on_cli: set[str]) -> str:
+    """'; parallel.dp_shard=2 came from the launcher (PARALLELISM_CONFIG_DP_SHARD_SIZE)', for
+    the mesh sizes apply_launcher_settings took, to end an error about the mesh; '' if none."""
+    taken = [
+        f"parallel.{name}={os.environ[env]} came from the launcher ({env})"
+        for env, name in LAUNCHER_MESH_ENV.items()
+        if os.environ.get(env) and f"parallel.{name}" not in set_on_cli
+    ]
+    return "; " + ", ".join(taken) if taken else ""
 
 
 def pick_device(requested: str) -> str:
@@ -154,8 +165,8 @@ def tp_locality_warning(tp: int) -> str | None:
 
 def build_mesh(device_type: str, dp_replicate: int, dp_shard: int, tp: int) -> Mesh:
     message = tp_locality_warning(tp)
-    if message:
-        warnings.warn(message, stacklevel=2)
+    if message:  # one line from rank 0, not a UserWarning with its source line from every rank
+        print0(f"warning: {message}", file=sys.stderr)
     mesh = init_device_mesh(
         device_type,
         (dp_replicate, dp_shard, tp),

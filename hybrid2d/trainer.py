@@ -28,6 +28,7 @@ from hybrid2d.mesh import (
     collective_failure,
     describe_transport,
     init_distributed,
+    launcher_sizes_note,
     on_rank0,
     pick_device,
     print0,
@@ -244,7 +245,10 @@ def run(cfg: JobConfig, set_on_cli: frozenset[str] | set[str] = frozenset()) -> 
     plan_line = None
     if cfg.parallel.plan == "auto":
         plan_line = apply_auto_plan(cfg, world, per_node, hw, set(set_on_cli))
-    dp_rep, dp_shard, tp = cfg.validate(world)
+    try:
+        dp_rep, dp_shard, tp = cfg.validate(world)
+    except ConfigError as e:  # a size the accelerate config gave is no setting the user typed
+        raise ConfigError(f"{e}{launcher_sizes_note(set(set_on_cli))}") from None
     if device_type == "cpu":
         set_cpu_threads()
     init_distributed(device_type, cfg.parallel.timeout_s, cfg.parallel.shm_collectives)

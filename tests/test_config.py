@@ -111,6 +111,32 @@ def test_launcher_env_sets_mesh(monkeypatch):
     assert cfg.parallel.tp == 1
 
 
+def test_a_mesh_error_names_the_sizes_the_launcher_gave(monkeypatch):
+    """accelerate's config sets dp_shard=2 and tp=2; --parallel.tp 4 on the command line: the
+    error names dp_shard's source, which the user never typed, and not tp's."""
+    from hybrid2d.mesh import apply_launcher_settings, launcher_sizes_note
+
+    monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "2")
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "2")
+    cfg = recipes.get("llama-debug")
+    apply_overrides(cfg, ["--parallel.tp", "4"])
+    apply_launcher_settings(cfg, {"parallel.tp"})
+    note = launcher_sizes_note({"parallel.tp"})
+    assert note == "; parallel.dp_shard=2 came from the launcher (PARALLELISM_CONFIG_DP_SHARD_SIZE)"
+    with pytest.raises(ConfigError, match="1 x 2 x 4"):
+        cfg.validate(4)
+
+
+def test_tp_hint_lists_only_sizes_that_pass_every_check():
+    """llama3.1-70b (64 heads, 8 kv heads) on 48 ranks: tp 16 divides the heads and the world
+    but not the kv heads, so it is not offered; on 6 ranks tp 4 does not divide the world."""
+    for world, tp, offered in ((48, 48, [1, 2, 4, 8]), (6, 3, [1, 2])):
+        cfg = recipes.get("llama3.1-70b")
+        cfg.parallel.tp, cfg.parallel.dp_shard = tp, world // tp
+        with pytest.raises(ConfigError, match=re.escape(f"use tp in {offered}")):
+            cfg.validate(world)
+
+
 def test_list_shows_recipes_with_sizes():
     proc = run_cli("--list")
     assert proc.returncode == 0

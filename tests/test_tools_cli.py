@@ -68,6 +68,14 @@ def test_bad_arguments_are_one_error_line_and_exit_2(capsys, name):
     assert what in one_error_line(err)
 
 
+@pytest.mark.parametrize("typed", [["--train.steps", "10"], ["--train.steps=10"]])
+def test_a_trainer_setting_typed_as_for_the_recipe_points_at_set(capsys, typed):
+    """memory_report.py takes --train.steps 10, plan.py --set train.steps=10: its error says so."""
+    code, _, err = call(capsys, "plan", ["--recipe", "llama-debug", *typed])
+    assert code == 2
+    assert one_error_line(err).endswith("takes recipe settings as --set train.steps=10"), err
+
+
 @pytest.mark.parametrize("name", TOOLS)
 def test_help_still_prints_the_whole_usage(capsys, name):
     code, out, err = call(capsys, name, ["--help"])
