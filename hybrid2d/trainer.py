@@ -23,6 +23,7 @@ from hybrid2d.data.tokenizer import describe_tokenizer
 from hybrid2d.mesh import (
     CollectiveError,
     Mesh,
+    agree_on_settings,
     apply_launcher_settings,
     build_mesh,
     collective_failure,
@@ -254,6 +255,7 @@ def run(cfg: JobConfig, set_on_cli: frozenset[str] | set[str] = frozenset()) -> 
     init_distributed(device_type, cfg.parallel.timeout_s, cfg.parallel.shm_collectives)
     failed_alone = False
     try:
+        agree_on_settings(cfg.to_dict())  # before any group: all ranks in the default one
         mesh = build_mesh(device_type, dp_rep, dp_shard, tp)
         if plan_line:
             print0(plan_line)

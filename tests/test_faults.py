@@ -174,6 +174,29 @@ def test_unwritable_run_dir_two_ranks_no_hang(tmp_path):
     assert "not writable" in proc.stderr
 
 
+def test_nodes_launched_with_other_settings_fail_with_one_line(tmp_path):
+    """Ranks 2-3 (a second node) launched with --parallel.tp 1, ranks 0-1 with tp 2: one line
+    naming the setting on every rank, before any group is built. It was: the tp 1 ranks timed
+    out on a gloo recv after parallel.timeout_s, the tp 2 ranks hung without a word."""
+    cmd = torchrun(
+        4, "tests/workers/rank_args.py", "2", "--parallel.tp 1", *SMALL,
+        "--data.cache_dir", str(tmp_path / "cache"), "--metrics.run_dir", str(tmp_path / "run"),
+        "--train.steps", "2", "--parallel.tp", "2", "--parallel.timeout_s", "60",
+    )  # fmt: skip
+    start = time.monotonic()
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 60, "waited for a collective to time out"
+    assert error_lines(proc) == [
+        "error: rank 2 was launched with other settings than rank 0: parallel.tp=1 (rank 0: 2); "
+        "launch every node with the same command line and config"
+    ], proc.stderr[-3000:]
+    # torchrun adds its own ChildFailedError report (with a traceback of torchrun's frames).
+    assert "exitcode  : 2 " in proc.stderr and "hybrid2d/" not in proc.stderr, proc.stderr
+
+
 HOLD_LOCK = """
 import sys
 from hybrid2d.run_dir import acquire_lock
