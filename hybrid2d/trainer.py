@@ -50,14 +50,20 @@ from hybrid2d.profiling.profiler import MemoryProfiler
 from hybrid2d.run_dir import create_run_dir, release_locks, write_run_config
 
 
-def build_model(cfg: JobConfig, mesh: Mesh) -> Llama:
-    """Meta-device model -> TP -> AC -> compile -> FSDP -> materialise this rank's shards."""
+def build_model(cfg: JobConfig, mesh: Mesh, resuming: bool = False) -> Llama:
+    """Meta-device model -> TP -> AC -> compile -> FSDP -> materialise this rank's shards.
+    Resuming, the parameters are left for the checkpoint to fill: neither init_from (on a large
+    model, minutes of reading on every restart) nor a random init is done first."""
     with torch.device("meta"):
         model = Llama(cfg.model)
     parallelize(model, mesh, cfg.parallel)
     model.to_empty(device=mesh.device)
     model.tie_weights()
-    if cfg.checkpoint.init_from:
+    if resuming:
+        model.init_buffers()
+        if cfg.checkpoint.init_from:
+            print0(f"init_from {cfg.checkpoint.init_from}: not read, the resumed checkpoint has it")
+    elif cfg.checkpoint.init_from:
         # hf:PATH / dcp:PATH: each rank reads its own shards; also recomputes the RoPE buffer.
         print0(describe_load(load_pretrained(model, cfg.checkpoint.init_from)))
     else:
@@ -82,10 +88,10 @@ class NonFiniteError(FloatingPointError):
 class Trainer:
     """Model, optimizer and schedule on a mesh; `train_step` runs one optimizer step."""
 
-    def __init__(self, cfg: JobConfig, mesh: Mesh):
+    def __init__(self, cfg: JobConfig, mesh: Mesh, resuming: bool = False):
         self.cfg = cfg
         self.mesh = mesh
-        self.model = build_model(cfg, mesh)
+        self.model = build_model(cfg, mesh, resuming)
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.step = 0
@@ -350,7 +356,7 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
     data = build_run_data(cfg, mesh.dp_rank, mesh.dp, main, dist.barrier)
     loader, tokenizer = data.loader, data.tokenizer
     print0(data.describe())
-    trainer = Trainer(cfg, mesh)
+    trainer = Trainer(cfg, mesh, resuming=resume_from is not None)
     # Beside the tokenizer's side files, the HF config of the model init_from leads to: an
     # export then finds the source's token ids even after the source has moved.
     side_files = tokenizer_side_files(cfg.data.tokenizer) | source_files(

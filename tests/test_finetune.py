@@ -122,6 +122,34 @@ def test_2x2_dcp_reads_only_each_ranks_slices(chat_dirs, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_resume_does_not_read_init_from_again_and_continues_exactly(chat_dirs, tmp_path):
+    """A fine-tune stopped after step 2 and resumed: the resume says init_from is not read (the
+    checkpoint holds the weights; each restart of a large job re-read its source), and steps 3-4
+    have the uninterrupted run's losses."""
+    hf_dir, _, text = chat_dirs
+
+    def run(run_dir, *more):
+        cmd = [sys.executable, "recipes/llama.py", "--checkpoint.init_from", f"hf:{hf_dir}",
+               "--data.path", str(text), "--train.seq_len", "32", "--train.global_batch", "2",
+               "--train.steps", "4", "--data.cache_dir", str(tmp_path / "cache"),
+               "--metrics.run_dir", str(run_dir), "--metrics.progress_bar", "false",
+               *more]  # fmt: skip
+        proc = subprocess.run(cmd, cwd=REPO, env=launcher_env(), capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout, json.loads((run_dir / "summary.json").read_text())
+
+    _, straight = run(tmp_path / "straight")
+    first_out, _ = run(tmp_path / "split", "--checkpoint.stop_after", "2")
+    assert f"init_from hf:{hf_dir}: " in first_out and " tensors, " in first_out
+    out, resumed = run(tmp_path / "split", "--checkpoint.resume", "auto")
+    assert f"init_from hf:{hf_dir}: not read, the resumed checkpoint has it" in out, out
+    assert " tensors, " not in out, out
+    assert resumed["first_step"] == 3
+    assert resumed["losses"] == straight["losses"][2:]
+
+
+@pytest.mark.slow
 def test_readme_first_command_leaves_a_checkpoint_generate_reads(tmp_path):
     """README's first command (shortened to 3 steps on less text) saves the final checkpoint by
     default, and tools/generate.py runs/<run> samples from it."""

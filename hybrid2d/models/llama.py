@@ -157,6 +157,12 @@ class Llama(nn.Module):
         return self.lm_head(self.model.norm(h))
 
     @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Recompute the RoPE table (not in any state dict): after `to_empty`, for a model whose
+        parameters are loaded from a checkpoint."""
+        self.inv_freq.copy_(rope_inv_freq(self.cfg).to(self.inv_freq.device))
+
+    @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Initialise every parameter identically whatever the mesh.
 
@@ -164,7 +170,7 @@ class Llama(nn.Module):
         each rank keeps its own shard. So a (2, 2) run and a single-process run start from the
         same weights. Holds one full parameter at a time, never the whole model.
         """
-        self.inv_freq.copy_(rope_inv_freq(self.cfg).to(self.inv_freq.device))
+        self.init_buffers()
         for name, param in self.named_parameters():
             shape = tuple(param.shape)
             if name.endswith("norm.weight"):
