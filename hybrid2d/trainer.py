@@ -261,7 +261,10 @@ def run(cfg: JobConfig, set_on_cli: frozenset[str] | set[str] = frozenset()) -> 
     init_distributed(device_type, cfg.parallel.timeout_s, cfg.parallel.shm_collectives)
     failed_alone = False
     try:
-        agree_on_settings(cfg.to_dict())  # before any group: all ranks in the default one
+        # Before any group is built, over the default one. data.cache_dir may be node-local.
+        settings = cfg.to_dict()
+        settings["data"].pop("cache_dir")
+        agree_on_settings(settings)
         mesh = build_mesh(device_type, dp_rep, dp_shard, tp)
         if plan_line:
             print0(plan_line)
