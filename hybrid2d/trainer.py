@@ -362,9 +362,10 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
     trainer = Trainer(cfg, mesh, resuming=resume_from is not None)
     # Beside the tokenizer's side files, the HF config of the model init_from leads to: an
     # export then finds the source's token ids even after the source has moved.
-    side_files = tokenizer_side_files(cfg.data.tokenizer) | source_files(
-        cfg.checkpoint.init_from, cfg.model, tokenizer.to_str() if tokenizer else None
-    )
+    side_files = tokenizer_side_files(cfg.data.tokenizer)
+    if cfg.checkpoint.init_from:
+        text = tokenizer.to_str() if tokenizer else None
+        side_files |= source_files(cfg.checkpoint.init_from, cfg.model, text)
     ckpt = Checkpointer(cfg, run_dir, trainer, loader, tokenizer, side_files)
     if resume_from is not None:
         ckpt.load(resume_from)
