@@ -2,10 +2,10 @@
 token's forward instead of the whole sequence's.
 
 The model keeps its one forward path; `Decoder` calls the model's own modules (embedding,
-norms, q/k/v/o projections, MLPs, head) and RoPE tables (`model.rope`, `rotate_half`) in the same
-order as `Llama.forward`, keeping each layer's rotated keys and values. `prefill` runs the prompt
-with causal attention, as the model does; `step` then feeds one token, whose query attends to
-every cached key (the newest position sees all earlier ones, so it needs no mask).
+norms, `Attention.rotated_qkv`, o projections, MLPs, head) and RoPE tables (`model.rope`) in the
+same order as `Llama.forward`, keeping each layer's rotated keys and values. `prefill` runs the
+prompt with causal attention, as the model does; `step` then feeds one token, whose query attends
+to every cached key (the newest position sees all earlier ones, so it needs no mask).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybrid2d.models.llama import Llama, rotate_half
+from hybrid2d.models.llama import Llama
 
 
 class Decoder:
@@ -70,11 +70,7 @@ class Decoder:
 
     def _attention(self, i, attn, x, cos, sin) -> torch.Tensor:
         bsz, seq, _ = x.shape
-        q = attn.q_proj(x).view(bsz, seq, -1, attn.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(bsz, seq, -1, attn.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(bsz, seq, -1, attn.head_dim).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k, v = attn.rotated_qkv(x, cos, sin)
         start, end = self.length, self.length + seq
         if start == 0:  # prefill: this layer's cache, sized once
             shape = (bsz, k.shape[1], self.capacity, attn.head_dim)

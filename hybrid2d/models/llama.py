@@ -75,14 +75,19 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rotated_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q, k, v as [b, heads, s, head_dim], q and k rotated for the positions of cos/sin
+        (also the KV-cache decoder's, hybrid2d/decode.py)."""
         bsz, seq, _ = x.shape
         # -1 heads: with column-parallel projections these are this rank's heads only.
         q = self.q_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        q, k, v = self.rotated_qkv(x, cos, sin)
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
         )
