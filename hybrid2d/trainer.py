@@ -15,7 +15,6 @@ import torch.distributed as dist
 
 from hybrid2d.checkpoint.dcp import Checkpointer, find_resume
 from hybrid2d.checkpoint.hf import adopt_source_model, describe_load, load_pretrained
-from hybrid2d.checkpoint.hf_tokens import source_files
 from hybrid2d.config import ConfigError, JobConfig
 from hybrid2d.data import EvalSet, build_run_data
 from hybrid2d.data.chat import tokenizer_side_files
@@ -360,13 +359,9 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
     loader, tokenizer = data.loader, data.tokenizer
     print0(data.describe())
     trainer = Trainer(cfg, mesh, resuming=resume_from is not None)
-    # Beside the tokenizer's side files, the HF config of the model init_from leads to: an
-    # export then finds the source's token ids even after the source has moved.
-    side_files = tokenizer_side_files(cfg.data.tokenizer)
-    if cfg.checkpoint.init_from:
-        text = tokenizer.to_str() if tokenizer else None
-        side_files |= source_files(cfg.checkpoint.init_from, cfg.model, text)
-    ckpt = Checkpointer(cfg, run_dir, trainer, loader, tokenizer, side_files)
+    ckpt = Checkpointer(
+        cfg, run_dir, trainer, loader, tokenizer, tokenizer_side_files(cfg.data.tokenizer)
+    )
     if resume_from is not None:
         ckpt.load(resume_from)
     first_step = trainer.step + 1  # this launch's first step (after a resume: not 1)

@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from hybrid2d.checkpoint import integrity, layout
+from hybrid2d.checkpoint.hf_tokens import source_files
 from hybrid2d.checkpoint.reader import (
     MODEL,
     OPTIMIZER,
@@ -222,10 +223,14 @@ class Checkpointer:
         self.trainer = trainer
         self.loader = loader
         self.tokenizer_json = tokenizer.to_str() if tokenizer is not None else None
-        # Small files every checkpoint carries: the tokenizer's (tokenizer_config.json,
-        # chat_template.jinja, ...) and the source model's HF configs (hf_tokens.source_files).
+        # Small files every checkpoint carries (rank 0 writes them): the tokenizer's
+        # (tokenizer_config.json, chat_template.jinja, ...) and the HF configs of the model
+        # init_from leads to, so that an export finds its token ids after the source moved.
         self.side_files = dict(side_files or {})
         self.rank = dist.get_rank()
+        if self.rank == 0 and cfg.checkpoint.init_from:
+            init, model = cfg.checkpoint.init_from, cfg.model
+            self.side_files |= source_files(init, model, self.tokenizer_json)
         self.world = dist.get_world_size()
         self.device = trainer.mesh.device
         self.saved: list[dict] = []  # per save: step, blocking_s, total_s, bytes
