@@ -38,24 +38,31 @@ def world_from_env() -> tuple[int, int, int, int]:
     return rank, world, local_rank, local_world
 
 
+def _launcher_sizes(set_on_cli: set[str]) -> list[tuple[str, str, str]]:
+    """(variable, parallel field, value) of each mesh size accelerate's launch settings give and
+    the command line does not."""
+    return [
+        (env, name, os.environ[env])
+        for env, name in LAUNCHER_MESH_ENV.items()
+        if os.environ.get(env) and f"parallel.{name}" not in set_on_cli
+    ]
+
+
 def apply_launcher_settings(cfg: JobConfig, set_on_cli: set[str]) -> None:
     """Take mesh sizes from accelerate's launch settings unless the command line set them."""
-    for env, name in LAUNCHER_MESH_ENV.items():
-        value = os.environ.get(env)
-        if value and f"parallel.{name}" not in set_on_cli:
-            try:
-                setattr(cfg.parallel, name, int(value))
-            except ValueError:
-                raise ConfigError(f"{env}={value!r} is not an integer") from None
+    for env, name, value in _launcher_sizes(set_on_cli):
+        try:
+            setattr(cfg.parallel, name, int(value))
+        except ValueError:
+            raise ConfigError(f"{env}={value!r} is not an integer") from None
 
 
 def launcher_sizes_note(set_on_cli: set[str]) -> str:
     """'; parallel.dp_shard=2 came from the launcher (PARALLELISM_CONFIG_DP_SHARD_SIZE)', for
     the mesh sizes apply_launcher_settings took, to end an error about the mesh; '' if none."""
     taken = [
-        f"parallel.{name}={os.environ[env]} came from the launcher ({env})"
-        for env, name in LAUNCHER_MESH_ENV.items()
-        if os.environ.get(env) and f"parallel.{name}" not in set_on_cli
+        f"parallel.{name}={value} came from the launcher ({env})"
+        for env, name, value in _launcher_sizes(set_on_cli)
     ]
     return "; " + ", ".join(taken) if taken else ""
 
