@@ -16,14 +16,21 @@ def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
     """AdamW (weight decay on matrices only, not on norms) or plain SGD."""
     if t.optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=t.lr)
+    matrices = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
     groups = [
-        {"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": t.weight_decay},
-        {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0},
+        {"params": params, "weight_decay": decay}
+        for params, decay in zip((matrices, rest), _weight_decays(t), strict=True)
     ]
     # fused: the whole update is one _fused_adamw_ call per parameter group, on CPU and CUDA
     # (2x2: 3 ms per rank per step against 5.5-9 ms for foreach over DTensors; torch's default
     # falls back to a per-tensor loop for DTensor parameters).
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, fused=True)
+
+
+def _weight_decays(t: TrainConfig) -> tuple[float, float]:
+    """AdamW's groups' weight decay: matrices, then norms (never decayed)."""
+    return t.weight_decay, 0.0
 
 
 def lr_multiplier(step: int, t: TrainConfig) -> float:
@@ -49,7 +56,7 @@ def follow_settings(opt: torch.optim.Optimizer, scheduler, t: TrainConfig) -> No
     are set again, the lr to this schedule's value for the next update."""
     step = scheduler.last_epoch  # optimizer steps taken
     scheduler.base_lrs = [t.lr] * len(opt.param_groups)
-    decay = [t.weight_decay, 0.0]  # build_optimizer's groups: matrices, then norms
+    decay = _weight_decays(t)  # build_optimizer's groups
     for i, group in enumerate(opt.param_groups):
         group["initial_lr"] = t.lr
         group["lr"] = t.lr * lr_multiplier(step, t)
