@@ -73,9 +73,11 @@ TORCHTITAN_FSDP2_COMMIT = (
 # Its message gives memory as % of the GPU's 95.0396 GiB: "peak active" is the caching
 # allocator's active_bytes.all.peak (torchtrain/metrics.py at that commit).
 TORCHTITAN_FSDP2_GPU_GIB = 95.0396
-# Reserved over active peak in that commit's 1D FSDP2 runs (Llama 2 7B, 8 H100, local batch 8 x
-# 2048): 32.64% / 23.92% with full checkpointing, 62.51% / 52.13% with selective.
-RESERVED_OVER_ACTIVE = {"full": 0.3264 / 0.2392, "selective": 0.6251 / 0.5213}
+# That commit's 1D FSDP2 runs (Llama 2 7B, 8 H100, local batch 8 x 2048): (peak active, peak
+# reserved) as fractions of the GPU, per checkpointing ("23.92% peak active, 32.64% peak
+# reserved"; selective: 52.13%, 62.51%). The reserved / active ratio compares reserved rows.
+FSDP2_COMMIT_1D_PEAKS = {"full": (0.2392, 0.3264), "selective": (0.5213, 0.6251)}
+RESERVED_OVER_ACTIVE = {ac: res / act for ac, (act, res) in FSDP2_COMMIT_1D_PEAKS.items()}
 RECORD_STREAM_2D = (
     "memory not counted: at this commit tensor-parallel collectives ran with record_stream, which "
     "keeps their buffers from reuse until the GPU has finished them (torchtitan's "
@@ -229,23 +231,29 @@ ROWS = [
 ]
 
 
+# The three runs of torchtitan's FSDP2 commit: Llama 2 7B on one Grand Teton host at 2048 tokens,
+# memory as the allocator's peak active bytes.
+_FSDP2_COMMIT_RUN = {
+    "recipe": "llama3.1-8b",
+    "model_changes": LLAMA2_7B,
+    "gpu": "h100",
+    "hardware_changes": GRAND_TETON,
+    "nodes": 1,
+    "seq_len": 2048,
+    "memory_kind": "active",
+    "peak_range": (H100_NVL_PEAK,),
+}
+
 ROWS += [
     Published(
         label="Llama 2 7B, 8 H100, FSDP 8, full AC",
         source=TORCHTITAN_FSDP2_COMMIT + " (1D FSDP, eager, FSDP2 (AC))",
-        recipe="llama3.1-8b",
-        model_changes=LLAMA2_7B,
-        gpu="h100",
-        hardware_changes=GRAND_TETON,
-        nodes=1,
+        **_FSDP2_COMMIT_RUN,
         dp_shard=8,
         local_batch=8,
-        seq_len=2048,
         activation_checkpoint="full",
         tokens_per_s_per_gpu=6200,  # "6100-6300 WPS" (per GPU)
-        memory_gib=0.2392 * TORCHTITAN_FSDP2_GPU_GIB,  # "23.92% peak active"
-        memory_kind="active",
-        peak_range=(H100_NVL_PEAK,),
+        memory_gib=FSDP2_COMMIT_1D_PEAKS["full"][0] * TORCHTITAN_FSDP2_GPU_GIB,
         notes="the same program as this trainer's where memory is concerned: whole-block "
         "checkpointing, bf16 parameters with fp32 reduce-scatter, the last block not resharded "
         "after forward, bf16 logits cast to fp32 for the loss; 95 GiB H100s as in the rows "
@@ -254,19 +262,12 @@ ROWS += [
     Published(
         label="Llama 2 7B, 8 H100, FSDP 8, selective AC",
         source=TORCHTITAN_FSDP2_COMMIT + " (1D FSDP, eager, FSDP2 (SAC))",
-        recipe="llama3.1-8b",
-        model_changes=LLAMA2_7B,
-        gpu="h100",
-        hardware_changes=GRAND_TETON,
-        nodes=1,
+        **_FSDP2_COMMIT_RUN,
         dp_shard=8,
         local_batch=8,
-        seq_len=2048,
         activation_checkpoint="selective",
         tokens_per_s_per_gpu=6700,  # "6600-6800 WPS"
-        memory_gib=0.5213 * TORCHTITAN_FSDP2_GPU_GIB,  # "52.13% peak active"
-        memory_kind="active",
-        peak_range=(H100_NVL_PEAK,),
+        memory_gib=FSDP2_COMMIT_1D_PEAKS["selective"][0] * TORCHTITAN_FSDP2_GPU_GIB,
         notes="torchtitan's op-level selective AC of that commit (parallelize_llama.py: mm, SDPA "
         "and reduce-scatter outputs saved except every second mm), priced as such; 62.51% "
         "(59.4 GiB) peak reserved",
@@ -274,20 +275,13 @@ ROWS += [
     Published(
         label="Llama 2 7B, 8 H100, FSDP 4 x TP 2, full AC",
         source=TORCHTITAN_FSDP2_COMMIT + " (2D FSDP, eager, FSDP2 (AC))",
-        recipe="llama3.1-8b",
-        model_changes=LLAMA2_7B,
-        gpu="h100",
-        hardware_changes=GRAND_TETON,
-        nodes=1,
+        **_FSDP2_COMMIT_RUN,
         dp_shard=4,
         tp=2,
         local_batch=16,
-        seq_len=2048,
         activation_checkpoint="full",
         tokens_per_s_per_gpu=5850,  # "5800-5900 WPS" (tokens / s / tp)
         memory_gib=0.5012 * TORCHTITAN_FSDP2_GPU_GIB,  # "50.12% peak active"
-        memory_kind="active",
-        peak_range=(H100_NVL_PEAK,),
         memory_not_counted=RECORD_STREAM_2D,
         notes="sequence parallel and loss parallel as here; twice the 1D row's peak active "
         "memory with the same kept block inputs per rank",
