@@ -35,7 +35,7 @@ def test_accelerate_launch_2x2_trains(tmp_path):
                 "0",
                 "recipes/llama.py",
                 "--train.steps",
-                "30",
+                "20",
                 "--metrics.run_dir",
                 str(run_dir),
                 "--data.cache_dir",
@@ -51,12 +51,12 @@ def test_accelerate_launch_2x2_trains(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "dp_shard=2 x tp=2" in proc.stdout
     # A log file gets a line per step (stderr is no terminal), and no Python warning.
-    assert "step 30/30  loss " in proc.stdout
+    assert "step 20/20  loss " in proc.stdout
     assert "Warning" not in proc.stderr and "\r" not in proc.stderr, proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
     losses = summary["losses"]
-    assert len(losses) == 30
+    assert len(losses) == 20
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses
     assert len(summary["peak_memory_bytes_per_rank"]) == 4
 

@@ -423,8 +423,6 @@ COMPILED_BLOCKS = [
     pytest.param(tp, ac, dtype, id=f"tp{tp}-{ac}-{dtype}")
     for tp, ac, dtype in [
         (1, "none", "fp32"),
-        (1, "none", "bf16"),
-        (2, "none", "fp32"),
         (2, "none", "bf16"),
         (1, "full", "fp32"),
         (1, "selective", "bf16"),
@@ -441,7 +439,9 @@ def test_compiled_block_keeps_what_the_estimate_counts(tmp_path, tp, ac, dtype):
     (tests/workers/compiled_saved.py). The estimate's figure is the difference one more block
     makes to its loss-phase activations. (Full checkpointing on tp > 1 is left out: with hooks
     installed AOTAutograd fails to save the block's DeviceMesh; the trainer, which installs
-    none, runs it, see test_paths_parity.)"""
+    none, runs it, see test_paths_parity.) Each (tp, ac) runs once, with fp32 on some and bf16 on
+    others, so both the dtype-sized terms and the fp32 ones (the norms' rstd) are measured: every
+    cold compile costs 13-30 s of this 2-core host."""
     out = tmp_path / "saved.json"
     check_ok(run_ranks(tp, ["tests/workers/compiled_saved.py", str(out), ac, dtype], timeout=300))
     measured = json.loads(out.read_text())["bytes_per_token"]
