@@ -945,7 +945,7 @@ def test_one_process_calibration_prices_ops_under_fsdp_and_can_be_crowded():
     processes on this 2-core host, through the trainer's process group, time a tp-sharded block
     at each tp that divides the processes and the heads, and the profile keeps what that took
     beyond the model's pricing, never negative."""
-    from hybrid2d.planner.calibrate import calibrate, crowded_tp_block_overhead
+    from hybrid2d.planner.calibrate import calibrate
 
     plan_tool = load_tool("plan")
     model = ModelConfig(dim=64, n_layers=1, n_heads=8, n_kv_heads=4, ffn_dim=128, vocab_size=256)
@@ -958,10 +958,9 @@ def test_one_process_calibration_prices_ops_under_fsdp_and_can_be_crowded():
     assert crowded["procs"] == 4 and crowded["seq_len"] == 32
     assert [tp for tp, _ in crowded["crowded_tp_block_s"]] == [2, 4]
     assert all(0 < seconds < 60 for _, seconds in crowded["crowded_tp_block_s"])
-    cpu = hardware.get("cpu")
-    cpu.host_cores = 2
-    found = crowded_tp_block_overhead(raw, model, cpu)
+    found = hw.crowded_tp_block_overhead_s
     assert set(found) == {"2", "4"} and all(v >= 0 for v in found.values())
+    assert hw.crowded_ranks == 4
 
 
 def _trainer_hooks(plan_tool) -> dict:
