@@ -113,20 +113,42 @@ class Published:
         return dataclasses.asdict(self)
 
 
+# torchtitan's 2024 A100 table: 8 DGX-class hosts, 8-way FSDP each; no memory figures.
+_A100_64 = {"gpu": "a100-80gb", "nodes": 8, "dp_shard": 64}
+_LLAMA2_A100 = {
+    **_A100_64,
+    "recipe": "llama3.1-8b",
+    "seq_len": 4096,
+    "notes": "no memory figure published; network as above",
+}
+# The 2024-12 H100 table's Llama 3.1 8B rows.
+_H100_8B = {
+    "recipe": "llama3.1-8b",
+    "gpu": "h100",
+    "hardware_changes": GRAND_TETON,
+    "local_batch": 2,
+    "activation_checkpoint": "selective",
+    "peak_range": (H100_NVL_PEAK,),
+}
+# The three runs of torchtitan's FSDP2 commit: Llama 2 7B on one Grand Teton host at 2048 tokens,
+# memory as the allocator's peak active bytes.
+_FSDP2_COMMIT_RUN = {
+    "recipe": "llama3.1-8b",
+    "model_changes": LLAMA2_7B,
+    "gpu": "h100",
+    "hardware_changes": GRAND_TETON,
+    "seq_len": 2048,
+    "memory_kind": "active",
+    "peak_range": (H100_NVL_PEAK,),
+}
+
 ROWS = [
     Published(
         label="Llama 3.1 8B, 8 H100, FSDP 8",
         source=TORCHTITAN_2024_12 + " Table 1 (FSDP, eager)",
-        recipe="llama3.1-8b",
-        gpu="h100",
-        hardware_changes=GRAND_TETON,
-        nodes=1,
-        dp_shard=8,
-        local_batch=2,
-        activation_checkpoint="selective",
+        **_H100_8B,
         tokens_per_s_per_gpu=5762,
         memory_gib=82.4,
-        peak_range=(H100_NVL_PEAK,),
         notes="H100 at 500 W with HBM2e (2.4 TB/s, 96 GB), peak between SXM and NVL; "
         "torchtitan's memory is its allocator's reserved peak, and its op-level selective AC "
         "keeps less than ours (every other matmul output; ours keeps all on tp 1): priced as "
@@ -135,26 +157,18 @@ ROWS = [
     Published(
         label="Llama 3.1 8B, 128 H100, FSDP 128",
         source=TORCHTITAN_2024_12 + " Table 3 (FSDP, eager)",
-        recipe="llama3.1-8b",
-        gpu="h100",
-        hardware_changes=GRAND_TETON,
+        **_H100_8B,
         nodes=16,
         dp_shard=128,
-        local_batch=2,
-        activation_checkpoint="selective",
         tokens_per_s_per_gpu=5605,
         memory_gib=67.0,
-        peak_range=(H100_NVL_PEAK,),
         notes="as above, 16 hosts over 400 Gb/s RDMA per GPU",
     ),
     Published(
         label="Llama 3 8B, 64 A100, FSDP 64",
         source=TORCHTITAN_2024_A100 + " (Llama 3, selective op AC)",
         recipe="llama3.1-8b",
-        gpu="a100-80gb",
-        nodes=8,
-        dp_shard=64,
-        local_batch=1,
+        **_A100_64,
         activation_checkpoint="selective",
         tokens_per_s_per_gpu=2973,
         notes="no memory figure published; the cluster's network is not stated (DGX A100's "
@@ -164,10 +178,7 @@ ROWS = [
         label="Llama 3 70B, 64 A100, FSDP 64",
         source=TORCHTITAN_2024_A100 + " (Llama 3, full AC)",
         recipe="llama3.1-70b",
-        gpu="a100-80gb",
-        nodes=8,
-        dp_shard=64,
-        local_batch=1,
+        **_A100_64,
         activation_checkpoint="full",
         tokens_per_s_per_gpu=331,
         notes="no memory figure published; network as above",
@@ -175,81 +186,41 @@ ROWS = [
     Published(
         label="Llama 2 13B, 64 A100, FSDP 64, no AC",
         source=TORCHTITAN_2024_A100 + " (Llama 2, no AC)",
-        recipe="llama3.1-8b",
+        **_LLAMA2_A100,
         model_changes=LLAMA2_13B,
-        gpu="a100-80gb",
-        nodes=8,
-        dp_shard=64,
         local_batch=2,
-        seq_len=4096,
-        activation_checkpoint="none",
         tokens_per_s_per_gpu=2162,
-        notes="no memory figure published; network as above",
     ),
     Published(
         label="Llama 2 13B, 64 A100, FSDP 64, selective AC",
         source=TORCHTITAN_2024_A100 + " (Llama 2, selective op AC)",
-        recipe="llama3.1-8b",
+        **_LLAMA2_A100,
         model_changes=LLAMA2_13B,
-        gpu="a100-80gb",
-        nodes=8,
-        dp_shard=64,
         local_batch=2,
-        seq_len=4096,
         activation_checkpoint="selective",
         tokens_per_s_per_gpu=1904,
-        notes="no memory figure published; network as above",
     ),
     Published(
         label="Llama 2 70B, 64 A100, FSDP 64, selective AC",
         source=TORCHTITAN_2024_A100 + " (Llama 2, selective op AC)",
-        recipe="llama3.1-8b",
+        **_LLAMA2_A100,
         model_changes=LLAMA2_70B,
-        gpu="a100-80gb",
-        nodes=8,
-        dp_shard=64,
-        local_batch=1,
-        seq_len=4096,
         activation_checkpoint="selective",
         tokens_per_s_per_gpu=355,
-        notes="no memory figure published; network as above",
     ),
     Published(
         label="Llama 2 70B, 64 A100, FSDP 64, full AC",
         source=TORCHTITAN_2024_A100 + " (Llama 2, full AC)",
-        recipe="llama3.1-8b",
+        **_LLAMA2_A100,
         model_changes=LLAMA2_70B,
-        gpu="a100-80gb",
-        nodes=8,
-        dp_shard=64,
         local_batch=2,
-        seq_len=4096,
         activation_checkpoint="full",
         tokens_per_s_per_gpu=353,
-        notes="no memory figure published; network as above",
     ),
-]
-
-
-# The three runs of torchtitan's FSDP2 commit: Llama 2 7B on one Grand Teton host at 2048 tokens,
-# memory as the allocator's peak active bytes.
-_FSDP2_COMMIT_RUN = {
-    "recipe": "llama3.1-8b",
-    "model_changes": LLAMA2_7B,
-    "gpu": "h100",
-    "hardware_changes": GRAND_TETON,
-    "nodes": 1,
-    "seq_len": 2048,
-    "memory_kind": "active",
-    "peak_range": (H100_NVL_PEAK,),
-}
-
-ROWS += [
     Published(
         label="Llama 2 7B, 8 H100, FSDP 8, full AC",
         source=TORCHTITAN_FSDP2_COMMIT + " (1D FSDP, eager, FSDP2 (AC))",
         **_FSDP2_COMMIT_RUN,
-        dp_shard=8,
         local_batch=8,
         activation_checkpoint="full",
         tokens_per_s_per_gpu=6200,  # "6100-6300 WPS" (per GPU)
@@ -263,7 +234,6 @@ ROWS += [
         label="Llama 2 7B, 8 H100, FSDP 8, selective AC",
         source=TORCHTITAN_FSDP2_COMMIT + " (1D FSDP, eager, FSDP2 (SAC))",
         **_FSDP2_COMMIT_RUN,
-        dp_shard=8,
         local_batch=8,
         activation_checkpoint="selective",
         tokens_per_s_per_gpu=6700,  # "6600-6800 WPS"
@@ -289,17 +259,21 @@ ROWS += [
 ]
 
 
+def _k_o_up_features(m) -> int:
+    """Output features of k, o and up: the matmuls of a block (the 2nd, 4th and 6th of q, k, v,
+    o, gate, up, down) that torchtitan's op-level selective checkpointing recomputes."""
+    return m.n_kv_heads * m.head_dim + m.n_heads * m.head_dim + m.ffn_dim
+
+
 def torchtitan_recompute_flops(m) -> float:
-    """FLOPs per token of torchtitan's op-level selective checkpointing: every other matmul of a
-    block is recomputed (the 2nd, 4th and 6th of q, k, v, o, gate, up, down: k, o and up)."""
-    hd = m.head_dim
-    return 2 * m.n_layers * m.dim * (m.n_kv_heads * hd + m.n_heads * hd + m.ffn_dim)
+    """FLOPs per token that torchtitan's op-level selective checkpointing recomputes."""
+    return 2 * m.n_layers * m.dim * _k_o_up_features(m)
 
 
 def torchtitan_unsaved_bytes(m, tokens: int, tp: int, c: int = 2) -> int:
     """Bytes per block that torchtitan's op-level selective checkpointing does not keep and this
-    trainer's (tp = 1) does: the outputs of k, o and up (the second, fourth and sixth matmul)."""
-    return tokens * (m.n_kv_heads * m.head_dim + m.n_heads * m.head_dim + m.ffn_dim) // tp * c
+    trainer's (tp = 1) does: the outputs of k, o and up."""
+    return tokens * _k_o_up_features(m) // tp * c
 
 
 def predicted_memory(row: Published) -> tuple[float, float]:
