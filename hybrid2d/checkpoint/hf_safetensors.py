@@ -84,13 +84,17 @@ class TensorInfo(TensorSpec):
     start: int = 0  # absolute byte offset of the data in the file
 
 
-def load_json(path: str | os.PathLike):
-    """The parsed JSON file; CheckpointError (one line) if it is unreadable or not valid JSON."""
+def load_json(path: str | os.PathLike, optional: bool = False):
+    """The parsed JSON file; CheckpointError (one line) if it is unreadable or not valid JSON.
+    optional: None instead, and for a file that holds no JSON object (a file that may be absent)."""
     try:
-        with open(path) as f:
-            return json.load(f)
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
     except (OSError, ValueError) as e:
+        if optional:
+            return None
         raise CheckpointError(f"{path} is not a readable JSON file ({e})") from None
+    return None if optional and not isinstance(data, dict) else data
 
 
 def _read_exact(f, offset: int, out: memoryview, what: str) -> None:

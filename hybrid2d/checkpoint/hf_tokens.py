@@ -35,7 +35,7 @@ from tokenizers import Tokenizer
 
 from hybrid2d.checkpoint import layout
 from hybrid2d.checkpoint.hf import config_mismatch, model_config_from_hf, parse_init_from
-from hybrid2d.checkpoint.hf_safetensors import CheckpointError
+from hybrid2d.checkpoint.hf_safetensors import CheckpointError, load_json
 from hybrid2d.config import ConfigError, ModelConfig
 from hybrid2d.data.chat import TOKENIZER_CONFIG, end_of_turn_ids
 from hybrid2d.data.tokenizer import eos_id
@@ -82,15 +82,6 @@ def _one_or_list(ids: list[int]) -> int | list[int] | None:
     return None if not ids else ids[0] if len(ids) == 1 else ids
 
 
-def _read_json(path: Path) -> dict | None:
-    """A JSON object from path, None if it is missing or no JSON object."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def _named_token_id(config: dict, key: str, tok: Tokenizer) -> int | None:
     """The id of the token tokenizer_config.json names under key (a string, or an AddedToken
     object with its text under "content"), None if it names none the tokenizer knows."""
@@ -112,7 +103,7 @@ def tokenizer_ids(directory: Path) -> TokenizerIds | None:
     except ConfigError:  # none of the end-of-text tokens
         text_end = None
     turn_end = sorted(end_of_turn_ids(str(path), tok))
-    config = _read_json(directory / TOKENIZER_CONFIG) or {}
+    config = load_json(directory / TOKENIZER_CONFIG, optional=True) or {}
     bos = _named_token_id(config, "bos_token", tok)
     ids = {
         "bos_token_id": bos if bos is not None else text_end,
@@ -137,8 +128,13 @@ def _tokenizer_text(path: Path) -> str | None:
         return None
 
 
-def _checked(hf: dict, generation, where: str, cfg: ModelConfig, tokenizers) -> tuple:
-    """(_Source, "") if hf is a config of cfg's shape and the tokenizers agree; else (None, why)."""
+def _checked(config: Path, generation: Path, cfg: ModelConfig, tokenizers) -> tuple:
+    """(_Source, "") if the HF config.json at `config` is of cfg's shape and the tokenizers agree;
+    else (None, why)."""
+    where = str(config)
+    hf = load_json(config, optional=True)
+    if hf is None:
+        return None, f"{where} not found"
     try:
         found = model_config_from_hf(hf, where)
     except CheckpointError as e:
@@ -148,7 +144,7 @@ def _checked(hf: dict, generation, where: str, cfg: ModelConfig, tokenizers) -> 
     theirs, ours = tokenizers
     if theirs is not None and ours is not None and theirs != ours:
         return None, "the run trained with another tokenizer than the source's"
-    return _Source(hf, generation, where), ""
+    return _Source(hf, load_json(generation, optional=True), where), ""
 
 
 def resolve_source(init: str, cfg: ModelConfig, tokenizer: str | None) -> tuple:
@@ -165,23 +161,17 @@ def resolve_source(init: str, cfg: ModelConfig, tokenizer: str | None) -> tuple:
         except CheckpointError:
             return None, f"checkpoint.init_from={init!r} is no 'hf:' or 'dcp:' path"
         p = Path(path)
-        if kind == "dcp" and not (p / HF_CONFIG_COPY).is_file():
-            kept = _read_json(p / SOURCE_CONFIG)
-            if kept is not None:
-                tokenizers = (_tokenizer_text(p / layout.TOKENIZER), tokenizer)
-                where = str(p / SOURCE_CONFIG)
-                source = _checked(kept, _read_json(p / SOURCE_GENERATION), where, cfg, tokenizers)
-                return source if source[0] else (None, f"{init}: {source[1]}")
-            if (p / layout.CONFIG).is_file():  # a training checkpoint: follow its init_from
-                run = _read_json(p / layout.CONFIG) or {}
+        config = p / ("config.json" if kind == "hf" else HF_CONFIG_COPY)
+        generation = p / GENERATION_CONFIG
+        if kind == "dcp" and not config.is_file():
+            if load_json(p / SOURCE_CONFIG, optional=True) is not None:  # the copy it keeps
+                config, generation = p / SOURCE_CONFIG, p / SOURCE_GENERATION
+            elif (p / layout.CONFIG).is_file():  # a training checkpoint: follow its init_from
+                run = load_json(p / layout.CONFIG, optional=True) or {}
                 init = (run.get("checkpoint") or {}).get("init_from") or ""
                 continue
-        hf_path = p / ("config.json" if kind == "hf" else HF_CONFIG_COPY)
-        hf = _read_json(hf_path)
-        if hf is None:
-            return None, f"{init}: {hf_path} not found"
         tokenizers = (_tokenizer_text(p / layout.TOKENIZER), tokenizer)
-        source = _checked(hf, _read_json(p / GENERATION_CONFIG), str(hf_path), cfg, tokenizers)
+        source = _checked(config, generation, cfg, tokenizers)
         return source if source[0] else (None, f"{init}: {source[1]}")
     return None, f"checkpoint.init_from chain longer than {MAX_HOPS}"
 
@@ -202,11 +192,9 @@ def source_files(init: str, cfg: ModelConfig, tokenizer: str | None) -> dict[str
 def source_config(step: Path, cfg: ModelConfig) -> tuple[_Source | None, str]:
     """(the HF config of the model a training checkpoint started from, or None; why not): the
     copy the checkpoint keeps, else where its checkpoint.init_from leads now."""
-    kept = _read_json(step / SOURCE_CONFIG)
-    if kept is not None:
-        where = str(step / SOURCE_CONFIG)
-        return _checked(kept, _read_json(step / SOURCE_GENERATION), where, cfg, (None, None))
-    run = _read_json(step / layout.CONFIG) or {}
+    if load_json(step / SOURCE_CONFIG, optional=True) is not None:
+        return _checked(step / SOURCE_CONFIG, step / SOURCE_GENERATION, cfg, (None, None))
+    run = load_json(step / layout.CONFIG, optional=True) or {}
     init = (run.get("checkpoint") or {}).get("init_from") or ""
     return resolve_source(init, cfg, _tokenizer_text(step / layout.TOKENIZER))
 
@@ -246,7 +234,7 @@ def export_tokens(step: str | Path, cfg: ModelConfig) -> ExportTokens:
         ids = dict.fromkeys(TOKEN_KEYS)  # null: transformers must not invent Llama's 1 and 2
         where = f"no {layout.TOKENIZER} in the checkpoint"
         generation = dict(ids)
-    own = _read_json(step / GENERATION_CONFIG)  # none in today's training checkpoints
+    own = load_json(step / GENERATION_CONFIG, optional=True)  # none in today's training checkpoints
     if own is not None:
         generation = own
     stops = _ids(generation.get("eos_token_id", ids.get("eos_token_id")))
