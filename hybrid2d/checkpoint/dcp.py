@@ -56,6 +56,7 @@ from hybrid2d.checkpoint.reader import (
     MODEL,
     OPTIMIZER,
     TRAINER,
+    as_config_error,
     cause,
     check_model_shapes,
     expected_model_shapes,
@@ -406,13 +407,9 @@ class Checkpointer:
 
         _, error = _checked(check)
         agree(error)
-        try:
+        what = f"checkpoint {path} cannot be loaded"
+        with as_config_error(what, "it is truncated or corrupted, use an earlier one"):
             dcp.load(state, checkpoint_id=str(path))
-        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-            raise ConfigError(
-                f"checkpoint {path} cannot be loaded ({cause(e)}); it is truncated or corrupted, "
-                "use an earlier one"
-            ) from None
         set_model_state_dict(t.model, state[MODEL])
         set_optimizer_state_dict(t.model, t.optimizer, state[OPTIMIZER])
         saved = state[TRAINER]

@@ -7,6 +7,7 @@ generate) read the model through `iter_model_tensors`, which holds one tensor at
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -35,6 +36,28 @@ def first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
+def cause(e: BaseException) -> str:
+    """The underlying error of a DCP CheckpointException (which wraps per-rank failures)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        if isinstance(inner, BaseException):
+            return first_line(inner)
+        if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
+            return first_line(inner[0])
+    return first_line(e)
+
+
+@contextlib.contextmanager
+def as_config_error(what: str, advice: str) -> Iterator[None]:
+    """Any error inside as one ConfigError line, `what (its cause); advice`: damaged files make
+    unpickling and DCP raise anything (DCP's CheckpointException is a BaseException)."""
+    try:
+        yield
+    except (Exception, CheckpointException) as e:
+        raise ConfigError(f"{what} ({cause(e)}); {advice}") from None
+
+
 def read_metadata(path: Path) -> Metadata:
     """The DCP metadata of a checkpoint directory; ConfigError if it is missing or unreadable."""
     if not path.is_dir():
@@ -52,13 +75,9 @@ def read_metadata(path: Path) -> Metadata:
             f"{', '.join(found) or 'nothing'}); point at a DCP checkpoint directory, e.g. a "
             "training checkpoint's step directory"
         )
-    try:
+    what = f"checkpoint {path}: {layout.METADATA} cannot be read"
+    with as_config_error(what, "the checkpoint is truncated or corrupted, use an earlier one"):
         meta = FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # unpickling garbage raises anything
-        raise ConfigError(
-            f"checkpoint {path}: {layout.METADATA} cannot be read ({first_line(e)}); the "
-            "checkpoint is truncated or corrupted, use an earlier one"
-        ) from None
     if not isinstance(meta, Metadata) or not isinstance(meta.state_dict_metadata, dict):
         raise ConfigError(f"checkpoint {path}: {layout.METADATA} is not DCP metadata (corrupted)")
     return meta
@@ -184,29 +203,13 @@ def iter_model_tensors(
     for key in entries if keys is None else keys:
         md = entries[key]
         tensor = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        try:
+        what = f"checkpoint {path}: {key} cannot be read"
+        with as_config_error(what, "the checkpoint is truncated or corrupted"):
             with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
                 warnings.simplefilter("ignore", UserWarning)
                 dcp.load({MODEL: {key: tensor}}, storage_reader=reader, no_dist=True)
-        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-            raise ConfigError(
-                f"checkpoint {path}: {key} cannot be read ({cause(e)}); the checkpoint is "
-                "truncated or corrupted"
-            ) from None
         yield key, tensor if dtype is None else tensor.to(dtype)
         del tensor  # before the next one is allocated: one tensor at a time
-
-
-def cause(e: BaseException) -> str:
-    """The underlying error of a DCP CheckpointException (which wraps per-rank failures)."""
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, dict) and failures:
-        inner = next(iter(failures.values()))
-        if isinstance(inner, BaseException):
-            return first_line(inner)
-        if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
-            return first_line(inner[0])
-    return first_line(e)
 
 
 # ---- reading only a block of a saved tensor ---------------------------------------------------
@@ -251,13 +254,9 @@ def saved_tensor(f, offset: int, length: int, where: str) -> tuple[int, torch.Te
     torch.save archive at bytes [offset, offset + length) of file f. Loading onto the meta device
     parses only the archive's small pickle (weights_only: no arbitrary globals) and notes where
     the storage's bytes start without reading them."""
-    try:
+    with as_config_error(f"{where} cannot be read", "it is truncated or corrupted"):
         t = torch.load(_Window(f, offset, length), map_location="meta", weights_only=True)
         data = t.untyped_storage()._checkpoint_offset  # torch.load sets it for meta loads
-    except Exception as e:  # a damaged archive raises anything
-        raise ConfigError(
-            f"{where} cannot be read ({first_line(e)}); it is truncated or corrupted"
-        ) from None
     return offset + data + t.storage_offset() * t.dtype.itemsize, t
 
 
