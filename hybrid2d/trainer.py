@@ -19,22 +19,20 @@ from hybrid2d.config import ConfigError, JobConfig
 from hybrid2d.data import EvalSet, build_run_data
 from hybrid2d.data.chat import tokenizer_side_files
 from hybrid2d.data.tokenizer import describe_tokenizer
+from hybrid2d.launcher import apply_launcher_settings, validate_for_world, world_from_env
 from hybrid2d.mesh import (
     CollectiveError,
     Mesh,
     agree_on_settings,
-    apply_launcher_settings,
     build_mesh,
     collective_failure,
     describe_transport,
     init_distributed,
-    launcher_sizes_note,
     on_rank0,
     pick_device,
     print0,
     set_cpu_threads,
     shutdown_distributed,
-    world_from_env,
 )
 from hybrid2d.metrics import MetricsWriter, flops_per_token, peak_memory_bytes
 from hybrid2d.models.llama import Llama
@@ -242,19 +240,17 @@ def _progress(total: int, enabled: bool) -> _Bar | _Lines | None:
 
 def run(cfg: JobConfig, set_on_cli: frozenset[str] | set[str] = frozenset()) -> dict:
     """Validate, start the process group, train, summarise, shut down. Returns the summary."""
-    apply_launcher_settings(cfg, set(set_on_cli))
+    set_on_cli = set(set_on_cli)
+    apply_launcher_settings(cfg, set_on_cli)
     if cfg.checkpoint.init_from:  # the model shape comes from the checkpoint (checked early)
-        adopt_source_model(cfg, set(set_on_cli))
+        adopt_source_model(cfg, set_on_cli)
     _, world, _, per_node = world_from_env()
     device_type = pick_device(cfg.train.device)
     hw = planner_profile(cfg, device_type)
     plan_line = None
     if cfg.parallel.plan == "auto":
-        plan_line = apply_auto_plan(cfg, world, per_node, hw, set(set_on_cli))
-    try:
-        dp_rep, dp_shard, tp = cfg.validate(world)
-    except ConfigError as e:  # a size the accelerate config gave is no setting the user typed
-        raise ConfigError(f"{e}{launcher_sizes_note(set(set_on_cli))}") from None
+        plan_line = apply_auto_plan(cfg, world, per_node, hw, set_on_cli)
+    dp_rep, dp_shard, tp = validate_for_world(cfg, set_on_cli)
     if device_type == "cpu":
         set_cpu_threads()
     init_distributed(device_type, cfg.parallel.timeout_s, cfg.parallel.shm_collectives)

@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hybrid2d import recipes  # noqa: E402
 from hybrid2d.config import ConfigError, apply_overrides, describe, print_help  # noqa: E402
+from hybrid2d.launcher import check_before_torch  # noqa: E402
 
 DESCRIPTION = (
     "hybrid2d trainer: a recipe's settings, changed with --section.field value. "
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             print(describe(cfg))
             return 0
         cfg.check_settings()
+        check_before_torch(cfg, set_on_cli)
         from hybrid2d.mesh import CollectiveError  # torch: not for --list / --help
         from hybrid2d.trainer import run
 

@@ -12,11 +12,21 @@ ALLOWED = {
     "sizes": {"config"},
     "models": {"config"},
     "data": {"config"},
-    "mesh": {"config", "shm_backend"},
+    "launcher": {"config"},
+    "mesh": {"config", "launcher", "shm_backend"},
     "shm_backend": {"config"},
     "parallel": {"config", "models", "mesh"},
 }
-NEVER_TRAINER = ("parallel", "checkpoint", "config", "profiling", "models", "data", "mesh")
+NEVER_TRAINER = (
+    "parallel",
+    "checkpoint",
+    "config",
+    "profiling",
+    "models",
+    "data",
+    "mesh",
+    "launcher",
+)
 
 
 def module_name(path: Path) -> str:

@@ -8,7 +8,7 @@ import os
 import torch
 
 from hybrid2d.config import ConfigError, JobConfig
-from hybrid2d.mesh import LAUNCHER_MESH_ENV
+from hybrid2d.launcher import LAUNCHER_MESH_ENV
 from hybrid2d.planner import hardware as profiles
 from hybrid2d.planner.hardware import Hardware
 from hybrid2d.planner.model import Candidate, predict
@@ -74,7 +74,7 @@ def apply_auto_plan(
             "parallel.plan=manual"
         )
     # accelerate's parallelism_config sizes reach the run as PARALLELISM_CONFIG_* variables
-    # (hybrid2d.mesh.apply_launcher_settings has already copied them into cfg); plan auto
+    # (hybrid2d.launcher.apply_launcher_settings has already copied them into cfg); plan auto
     # would overwrite them, so they are refused exactly as the command-line flags are.
     launched = [
         (env.removeprefix("PARALLELISM_CONFIG_").lower(), name, os.environ[env])
