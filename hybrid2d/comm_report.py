@@ -109,49 +109,28 @@ def analytic_step(
       and one per sequence-parallel norm weight (its gradient is a partial sum over tp);
       scalar_all_reduce = the global grad norm and the logged loss.
     """
-    out: dict[str, tuple[int, int]] = {}
+    per_micro: dict[str, tuple[int, int]] = {}
     b = local_batch // micro_batches
-    act = b * seq_len * m.dim * elt
     if tp > 1:
-        per_micro = 4 * m.n_layers + 2
-        out["tp_all_gather"] = (per_micro * micro_batches, per_micro * micro_batches * act)
-        out["tp_reduce_scatter"] = out["tp_all_gather"]
+        n = 4 * m.n_layers + 2
+        per_micro["tp_all_gather"] = (n, n * b * seq_len * m.dim * elt)
+        per_micro["tp_reduce_scatter"] = per_micro["tp_all_gather"]
         norms = 2 * m.n_layers + 1
-        ar = (3 + norms) * micro_batches
-        ar_bytes = (3 * b * seq_len * elt + norms * m.dim * elt) * micro_batches
-        out["tp_all_reduce"] = (ar, ar_bytes)
+        per_micro["tp_all_reduce"] = (3 + norms, (3 * b * seq_len + norms * m.dim) * elt)
     if dp > 1:
-        hd = m.head_dim
-
-        def block_bytes() -> int:
-            rows = [
-                (m.n_heads * hd // tp, m.dim),
-                (m.n_kv_heads * hd // tp, m.dim),
-                (m.n_kv_heads * hd // tp, m.dim),
-                (m.dim, m.n_heads * hd // tp),
-                (m.ffn_dim // tp, m.dim),
-                (m.ffn_dim // tp, m.dim),
-                (m.dim, m.ffn_dim // tp),
-                (m.dim, 1),
-                (m.dim, 1),
-            ]
-            return sum(_pad(r, dp) * c for r, c in rows) * elt
-
+        q, kv, ffn = m.n_heads * m.head_dim // tp, m.n_kv_heads * m.head_dim // tp, m.ffn_dim // tp
+        rows = [(q, m.dim), (kv, m.dim), (kv, m.dim), (m.dim, q)]
+        rows += [(ffn, m.dim), (ffn, m.dim), (m.dim, ffn), (m.dim, 1), (m.dim, 1)]
+        block = sum(_pad(r, dp) * c for r, c in rows) * elt
         emb = _pad(m.vocab_size // tp, dp) * m.dim
         root = (emb + (0 if m.tie_embeddings else emb) + _pad(m.dim, dp)) * elt
-        units = m.n_layers + 1
         regather = (m.n_layers - 1) if reshard_after_forward else 0
-        gathered = (m.n_layers + regather) * block_bytes() + root
-        out["fsdp_all_gather"] = ((units + regather) * micro_batches, gathered * micro_batches)
-        out["fsdp_reduce_scatter"] = (
-            units * micro_batches,
-            (m.n_layers * block_bytes() + root) * micro_batches,
-        )
-    world = dp * tp
-    out["scalar_all_reduce"] = (
-        1 + (1 if dp > 1 else 0) if world > 1 else 0,
-        (8 + (4 if dp > 1 else 0)) if world > 1 else 0,
-    )
+        gathers = m.n_layers + regather
+        per_micro["fsdp_all_gather"] = (gathers + 1, gathers * block + root)
+        per_micro["fsdp_reduce_scatter"] = (m.n_layers + 1, m.n_layers * block + root)
+    out = {k: (c * micro_batches, size * micro_batches) for k, (c, size) in per_micro.items()}
+    if dp * tp > 1:
+        out["scalar_all_reduce"] = (2, 12) if dp > 1 else (1, 8)
     return {k: v for k, v in out.items() if v[0]}
 
 
@@ -159,18 +138,18 @@ MINIMUM_KINDS = ("tp_all_gather", "tp_reduce_scatter", "fsdp_all_gather", "fsdp_
 
 
 def format_comm(measured: dict, analytic: dict | None = None) -> str:
-    kinds = sorted(set(measured["counts"]) | set(analytic or {}))
+    analytic = analytic or {}
     lines = [
         "| collective | count | payload MiB | analytic count | analytic MiB |",
         "|---|---|---|---|---|",
     ]
-    for k in kinds:
+    for k in sorted(set(measured["counts"]) | set(analytic)):
         c, b = measured["counts"].get(k, 0), measured["bytes"].get(k, 0)
-        ac, ab = (analytic or {}).get(k, (0, 0))
+        ac, ab = analytic.get(k, (0, 0))
         lines.append(f"| {k} | {c} | {b / 2**20:.3f} | {ac} | {ab / 2**20:.3f} |")
-    total = sum(measured["bytes"].values())
-    minimum = sum((analytic or {}).get(k, (0, 0))[1] for k in MINIMUM_KINDS)
     if analytic:
+        total = sum(measured["bytes"].values())
+        minimum = sum(analytic.get(k, (0, 0))[1] for k in MINIMUM_KINDS)
         lines.append(
             f"\ntotal payload {total / 2**20:.3f} MiB = {total / minimum:.4f} x the "
             f"analytic minimum ({minimum / 2**20:.3f} MiB: activations + FSDP)"
