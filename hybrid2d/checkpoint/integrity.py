@@ -10,11 +10,10 @@ the ranks. Checkpoints written by other tools (no checksums.json) skip this chec
 from __future__ import annotations
 
 import json
-import os
 import zlib
 from pathlib import Path
 
-from hybrid2d.checkpoint.layout import CHECKSUMS, METADATA
+from hybrid2d.checkpoint.layout import CHECKSUMS, METADATA, write_text_atomic
 
 _CHUNK = 16 << 20
 
@@ -43,10 +42,8 @@ def describe(path: Path, names: list[str]) -> dict[str, dict[str, int]]:
 
 
 def write(path: Path, entries: dict[str, dict[str, int]]) -> None:
-    with open(path / CHECKSUMS, "w") as f:
-        json.dump({"algorithm": "crc32", "files": dict(sorted(entries.items()))}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    checksums = {"algorithm": "crc32", "files": dict(sorted(entries.items()))}
+    write_text_atomic(path / CHECKSUMS, json.dumps(checksums, indent=1))
 
 
 def read(path: Path) -> dict[str, dict[str, int]] | None:
@@ -64,29 +61,6 @@ def read(path: Path) -> dict[str, dict[str, int]] | None:
         raise ValueError(f"{CHECKSUMS} is unreadable ({type(e).__name__}: {e})") from None
 
 
-def check_sizes(path: Path, recorded: dict[str, dict[str, int]]) -> str | None:
-    """A problem with the files' presence or sizes (cheap: stat only), or None."""
-    for name, want in recorded.items():
-        f = path / name
-        if not f.is_file():
-            return f"{name} is missing"
-        size = f.stat().st_size
-        if size != want["size"]:
-            return f"{name} is {size} bytes, {want['size']} when saved (truncated or overwritten)"
-    return None
-
-
-def check_hashes(path: Path, recorded: dict[str, dict[str, int]], names: list[str]) -> str | None:
-    """The first of `names` whose CRC-32 differs from the recorded one, or None."""
-    for name in names:
-        if name not in recorded:
-            continue
-        crc, want = crc32_file(path / name), recorded[name]["crc32"]
-        if crc != want:
-            return f"{name} has CRC-32 {crc:08x}, {want:08x} when saved (corrupted)"
-    return None
-
-
 def verify(path: Path, rank: int = 0, world: int = 1) -> str | None:
     """What is wrong with a checkpoint's files, or None: every file's size (stat only) and the
     CRC-32s of this rank's share. None also when there is no checksums.json to check against."""
@@ -96,6 +70,15 @@ def verify(path: Path, rank: int = 0, world: int = 1) -> str | None:
         return str(e)
     if recorded is None:
         return None
-    return check_sizes(path, recorded) or check_hashes(
-        path, recorded, share(sorted(recorded), rank, world)
-    )
+    for name, want in recorded.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        size = f.stat().st_size
+        if size != want["size"]:
+            return f"{name} is {size} bytes, {want['size']} when saved (truncated or overwritten)"
+    for name in share(sorted(recorded), rank, world):  # sizes first: a stat is cheap
+        crc, want = crc32_file(path / name), recorded[name]["crc32"]
+        if crc != want:
+            return f"{name} has CRC-32 {crc:08x}, {want:08x} when saved (corrupted)"
+    return None

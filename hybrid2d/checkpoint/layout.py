@@ -160,10 +160,9 @@ def resolve_dir(p: Path, name: str, setting: str) -> Path:
     if (p / METADATA).is_file():
         return p
     for ckpt_dir in (p, p / CHECKPOINTS):
-        if (ckpt_dir / LATEST).is_file() or complete_steps(ckpt_dir):
-            latest = read_latest(ckpt_dir)
-            if latest is not None:
-                return latest
+        latest = read_latest(ckpt_dir)
+        if latest is not None:
+            return latest
     found = sorted(x.name for x in p.iterdir())[:5]
     raise ConfigError(
         f"{name}={setting!r}: {p} is not a checkpoint directory (no {METADATA}, no "
