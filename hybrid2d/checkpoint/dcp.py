@@ -229,9 +229,8 @@ class Checkpointer:
         # init_from leads to, so that an export finds its token ids after the source moved.
         self.side_files = dict(side_files or {})
         self.rank = dist.get_rank()
-        if self.rank == 0 and cfg.checkpoint.init_from:
-            init, model = cfg.checkpoint.init_from, cfg.model
-            self.side_files |= source_files(init, model, self.tokenizer_json)
+        if self.rank == 0 and self.ck.init_from:
+            self.side_files |= source_files(self.ck.init_from, cfg.model, self.tokenizer_json)
         self.world = dist.get_world_size()
         self.device = trainer.mesh.device
         self.saved: list[dict] = []  # per save: step, blocking_s, total_s, bytes

@@ -224,10 +224,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def check_tensor_names(
     found: dict[str, tuple[int, ...]], cfg: ModelConfig, where: str, what: str = "config.json"
 ) -> list[str]:
-    """Raise on the first missing, unexpected or mis-shaped tensor; return the names to copy.
-
-    `found` maps the checkpoint's tensor names to shapes.
-    """
+    """Raise on the first missing, unexpected or mis-shaped tensor of `found` (the checkpoint's
+    name -> shape); return the names to copy."""
     want = expected_shapes(cfg)
     for name, shape in want.items():
         if name not in found:
@@ -297,11 +295,6 @@ def local_block(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(chunks[0].offsets), local
 
 
-def _recompute_buffers(model: nn.Module) -> None:
-    """Buffers are not in checkpoints (HF has none either): the RoPE table is recomputed."""
-    model.inv_freq.copy_(rope_inv_freq(model.cfg).to(model.inv_freq.device))
-
-
 def check_hf_source(ckpt: HFCheckpoint, cfg: ModelConfig, source: str) -> None:
     """Check an open HF dir's config and tensors against cfg."""
     hf_cfg = model_config_from_hf(ckpt.config, os.path.join(ckpt.path, "config.json"))
@@ -320,7 +313,8 @@ def _fill_blocks(model: nn.Module, source: str, start: float, checkpoint_bytes: 
         local = param.to_local() if isinstance(param, DTensor) else param
         report.bytes_read += read_into(name, offsets, sizes, local)
         report.tensors += 1
-    _recompute_buffers(model)
+    # Buffers are not in checkpoints (HF has none either): the RoPE table is recomputed.
+    model.inv_freq.copy_(rope_inv_freq(model.cfg).to(model.inv_freq.device))
     report.seconds = time.perf_counter() - start
     return report
 

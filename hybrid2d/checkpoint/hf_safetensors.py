@@ -211,12 +211,8 @@ def read_block(
 
 
 class HFCheckpoint(contextlib.AbstractContextManager):
-    """A Hugging Face model directory: config.json plus one or several safetensors files.
-
-    Every problem is found on open (empty directory, no weights, a shard named by the index but
-    missing, malformed headers, a tensor the index places in a file that lacks it) and reported
-    as one CheckpointError line.
-    """
+    """A Hugging Face model directory: config.json plus one or several safetensors files. Every
+    problem is found on open and reported as one CheckpointError line."""
 
     def __init__(self, path: str):
         self.path = path
@@ -311,11 +307,8 @@ def write_safetensors(
     produce: Callable[[TensorSpec], torch.Tensor],
     metadata: dict[str, str] | None = None,
 ) -> None:
-    """Write one safetensors file, asking `produce` for each tensor only when it is written.
-
-    The header is computed from the specs up front, so at most one tensor is in memory at a
-    time.
-    """
+    """Write one safetensors file, asking `produce` for each tensor only when it is written: the
+    header comes from the specs, so at most one tensor is in memory at a time."""
     header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
     offset = 0
     for s in specs:

@@ -15,7 +15,7 @@ import torch
 
 from hybrid2d.checkpoint import integrity, layout
 from hybrid2d.checkpoint.hf import check_tensor_names, model_config_from_hf
-from hybrid2d.checkpoint.hf_safetensors import HFCheckpoint, load_json
+from hybrid2d.checkpoint.hf_safetensors import INDEX_NAME, SINGLE_NAME, HFCheckpoint, load_json
 from hybrid2d.checkpoint.reader import (
     iter_model_tensors,
     model_entries,
@@ -41,7 +41,7 @@ def locate(setting: str, what: str = "checkpoint") -> Source:
         raise ConfigError(f"{what} {setting!r} does not exist")
     if not p.is_dir():
         raise ConfigError(f"{what} {setting!r} is a file; pass a checkpoint directory")
-    if (p / "model.safetensors").is_file() or (p / "model.safetensors.index.json").is_file():
+    if (p / SINGLE_NAME).is_file() or (p / INDEX_NAME).is_file():
         return Source(p, "hf")
     return Source(layout.resolve_dir(p, what, setting), "dcp")
 
