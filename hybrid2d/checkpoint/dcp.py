@@ -61,7 +61,6 @@ from hybrid2d.checkpoint.reader import (
     check_model_shapes,
     expected_model_shapes,
     first_line,
-    is_training_checkpoint,
     read_config,
     read_metadata,
 )
@@ -140,7 +139,7 @@ def preflight(path: Path, cfg: JobConfig) -> Metadata:
     """Checks of a training checkpoint that need no model: readable metadata, trainer state
     present, model tensors of the right names and shapes."""
     meta = read_metadata(path)
-    if not is_training_checkpoint(meta):
+    if f"{TRAINER}.step" not in meta.state_dict_metadata:
         raise ConfigError(
             f"--checkpoint.resume: {path} holds no training state (a model-only checkpoint, e.g. "
             "converted from Hugging Face); start from it with --checkpoint.init_from dcp:PATH"

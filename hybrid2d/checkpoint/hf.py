@@ -3,13 +3,10 @@
 `--checkpoint.init_from hf:PATH` reads a HF model directory straight into the sharded model:
 every rank reads only the bytes of its own shard of each parameter (a TP x FSDP shard is one
 rectangular block of the full tensor), so no rank ever holds the full model.
-`--checkpoint.init_from dcp:PATH` loads the "model" entry of a DCP checkpoint (one written by
-tools/convert_hf_to_dcp.py, or a training checkpoint's step directory, whose "optimizer" and
-"trainer" entries are left alone).
-
-The DCP layout shared with training checkpoints (hybrid2d/checkpoint/dcp.py): the saved state
-dict is {"model": {<HF parameter name>: tensor}}; training checkpoints add "optimizer" and
-"trainer" entries. With tied embeddings only `model.embed_tokens.weight` is required.
+`--checkpoint.init_from dcp:PATH` loads the "model" entry, {<HF parameter name>: tensor}, of a
+DCP checkpoint (one written by tools/convert_hf_to_dcp.py, or a training checkpoint's step
+directory, whose "optimizer" and "trainer" entries are left alone; see dcp.py). With tied
+embeddings only `model.embed_tokens.weight` is required.
 
 Every check that can fail runs on every rank before any collective, so a bad checkpoint is one
 error line on each rank and no rank waits for the others.
@@ -468,7 +465,6 @@ def adopt_source_model(cfg: JobConfig, set_on_cli: set[str]) -> None:
 
 def _adopt_source_model(cfg: JobConfig, set_on_cli: set[str]) -> None:
     kind, path = parse_init_from(cfg.checkpoint.init_from)
-    source = cfg.checkpoint.init_from
     if kind == "hf":
         with HFCheckpoint(path) as ckpt:
             found = model_config_from_hf(ckpt.config, os.path.join(path, "config.json"))
@@ -484,7 +480,7 @@ def _adopt_source_model(cfg: JobConfig, set_on_cli: set[str]) -> None:
     given = {n.removeprefix("model.") for n in set_on_cli if n.startswith("model.")}
     given.add("init_std")  # not part of a checkpoint's shape
     cfg.model = dataclasses.replace(found, **{n: getattr(cfg.model, n) for n in given})
-    check_model_config(found, cfg.model, source, "its config")
+    check_model_config(found, cfg.model, cfg.checkpoint.init_from, "its config")
 
 
 def adopt_tokenizer(cfg: JobConfig, path: str) -> None:

@@ -123,13 +123,8 @@ def model_entries(meta: Metadata, path: Path) -> dict[str, TensorStorageMetadata
     return tensors
 
 
-def is_training_checkpoint(meta: Metadata) -> bool:
-    return f"{TRAINER}.step" in meta.state_dict_metadata
-
-
 def expected_model_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Full (unsharded) shape of every state-dict tensor of a Llama of this shape; no memory."""
-
     with torch.device("meta"):
         model = Llama(m)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
