@@ -109,6 +109,22 @@ def timed(
     return min(times)
 
 
+def median_seconds(fn, device: torch.device, reps: int) -> float:
+    """Median seconds per call of `reps` calls after one warm-up call and a barrier, every rank
+    making the same calls: for what includes waits for the other ranks, which the fastest call
+    would hide."""
+    fn()
+    _sync(device)
+    dist.barrier()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 # ---- compute -------------------------------------------------------------------------------
 
 
@@ -173,20 +189,10 @@ def sharded_block_seconds(
     m: ModelConfig, seq: int, dtype, device, tp_mesh=None, dp_mesh=None, reps: int = 9
 ) -> float:
     """Forward + backward of one block sharded over `tp_mesh` by the trainer's plan (one sample,
-    this rank's sequence shard) or an FSDP2 unit over `dp_mesh` (one sample per rank): the
-    median of `reps` calls, every rank making the same calls, since the waits for the other
-    ranks are part of what it measures, as in a step."""
+    this rank's sequence shard) or an FSDP2 unit over `dp_mesh` (one sample per rank), with the
+    waits for the other ranks, as in a step."""
     run = ops.block_step(m, 1, seq, "none", dtype, device, tp_mesh, dp_mesh)
-    run()
-    _sync(device)
-    dist.barrier()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        run()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_seconds(run, device, reps)
 
 
 def seconds_per_op(m: ModelConfig, device, mesh=None) -> float:
@@ -215,6 +221,11 @@ def seconds_per_op(m: ModelConfig, device, mesh=None) -> float:
     return timed(run, device, min_time=0.1, max_reps=50) / counter.count
 
 
+def _elt(hw: Hardware) -> int:
+    """Bytes per element of what calibration measures: fp32 on CPU, bf16 on GPUs."""
+    return 4 if hw.target == "cpu" else 2
+
+
 def cores_measured(raw: dict, hw: Hardware) -> int:
     """How many of a profile's rate units one measuring process had: its threads on CPU, where
     rates are per core; 1 on a GPU, where rates are per device (the host's threads only feed
@@ -230,12 +241,11 @@ def checkpoint_overhead(raw: dict, m: ModelConfig, hw: Hardware) -> dict[str, fl
     if "block_s" not in raw:
         return {}
     tokens, threads, S = raw["block_tokens"], cores_measured(raw, hw), raw["seq_len"]
-    c = 4 if hw.target == "cpu" else 2
     mm = hw.matmul_rate(tokens, 1) * threads
     attn = hw.attention_rate(tokens, 1) * threads
     bw = hw.elementwise_bandwidth(tokens) * threads
     one = dataclasses.replace(m, n_layers=1)
-    elementwise = sum(cost.block_elementwise_bytes(m, tokens, 1, c).values()) / bw
+    elementwise = sum(cost.block_elementwise_bytes(m, tokens, 1, _elt(hw)).values()) / bw
     out = {}
     for mode in ("selective", "full"):
         f = cost.flops(one, S, mode, 1)
@@ -254,12 +264,11 @@ def priced_block(m: ModelConfig, hw: Hardware, tokens: int, seq: int, tp: int, t
     one = dataclasses.replace(m, n_layers=1)
     f = cost.flops(one, seq, "none", tp)
     block_mm = f["matmul"] - 6 * m.vocab_size * m.dim  # flops_per_token counts the head too
-    c = 4 if hw.target == "cpu" else 2
     kernels = (
         block_mm * tokens / tp / (hw.matmul_rate(tokens, tp) * threads)
         + f["attention"] * tokens / tp / (hw.attention_rate(tokens, tp) * threads)
         + 3
-        * sum(cost.block_elementwise_bytes(m, tokens, tp, c).values())
+        * sum(cost.block_elementwise_bytes(m, tokens, tp, _elt(hw)).values())
         / (hw.elementwise_bandwidth(tokens) * threads)
     )
     dispatch = ops.block_ops(m, "none") * hw.op_overhead_s
@@ -290,24 +299,23 @@ def tp_block_overhead(raw: dict, m: ModelConfig, hw: Hardware) -> float:
     if "tp_block_s" not in raw:
         return 0.0
     T, S, threads = raw["tp_block_tp"], raw["seq_len"], cores_measured(raw, hw)
-    c = 4 if hw.target == "cpu" else 2
-    residual = hw.block_residual_s
     priced = priced_block(m, hw, S, S, T, threads)
-    priced += (residual.get("fixed", 0.0) + residual.get("per_token", 0.0) * S / T) / threads
-    priced += block_tp_collectives(m, hw, T, S, c)
+    priced += hw.residual_per_block(S, T) / threads
+    priced += block_tp_collectives(m, hw, T, S)
     return max(0.0, raw["tp_block_s"] - priced) * threads
 
 
-def block_tp_collectives(m: ModelConfig, hw: Hardware, T: int, seq: int, c: int) -> float:
+def block_tp_collectives(m: ModelConfig, hw: Hardware, T: int, seq: int) -> float:
     """Seconds the model prices for one block's tp collectives at one sample (the comm
     report's counts and bytes of one layer over the intra-node link, plus `tp_sync_s` each)."""
     one, two = (
-        analytic_step(dataclasses.replace(m, n_layers=n), 1, T, 1, seq, 1, elt=c) for n in (1, 2)
+        analytic_step(dataclasses.replace(m, n_layers=n), 1, T, 1, seq, 1, elt=_elt(hw))
+        for n in (1, 2)
     )
     seconds = 0.0
-    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
-        count = two.get(f"tp_{kind}", (0, 0))[0] - one.get(f"tp_{kind}", (0, 0))[0]
-        payload = two.get(f"tp_{kind}", (0, 0))[1] - one.get(f"tp_{kind}", (0, 0))[1]
+    for kind in KINDS:
+        (count1, payload1), (count2, payload2) = (s.get(f"tp_{kind}", (0, 0)) for s in (one, two))
+        count, payload = count2 - count1, payload2 - payload1
         if count:
             seconds += hw.intra.seconds(kind, T, payload, count) + count * hw.tp_sync_s
     return seconds
@@ -323,13 +331,11 @@ def crowded_tp_block_overhead(raw: dict, m: ModelConfig, hw: Hardware) -> dict[s
         return {}
     W, S = crowded["procs"], crowded["seq_len"]
     share = hw.host_share(W)
-    c = 4 if hw.target == "cpu" else 2
-    residual = hw.block_residual_s
     out = {}
     for T, measured in crowded["crowded_tp_block_s"]:
         priced = priced_block(m, hw, S, S, T, 1) / share
-        priced += (residual.get("fixed", 0.0) + residual.get("per_token", 0.0) * S / T) / share
-        priced += block_tp_collectives(m, hw, T, S, c) / share
+        priced += hw.residual_per_block(S, T) / share
+        priced += block_tp_collectives(m, hw, T, S) / share
         out[str(int(T))] = max(0.0, measured - priced)
     return out
 
@@ -341,11 +347,9 @@ def fsdp_block_overhead(raw: dict, m: ModelConfig, hw: Hardware) -> float:
     if "fsdp_block_s" not in raw:
         return 0.0
     W, S, threads = raw["fsdp_block_dp"], raw["seq_len"], cores_measured(raw, hw)
-    c = 4 if hw.target == "cpu" else 2
-    residual = hw.block_residual_s
     priced = priced_block(m, hw, S, S, 1, threads)
-    priced += (residual.get("fixed", 0.0) + residual.get("per_token", 0.0) * S) / threads
-    gathered, _ = cost.unit_bytes(m, W, 1, c)
+    priced += hw.residual_per_block(S, 1) / threads
+    gathered, _ = cost.unit_bytes(m, W, 1, _elt(hw))
     reduced, _ = cost.unit_bytes(m, W, 1, 4)
     priced += hw.intra.seconds("all_gather", W, 2 * gathered, 2)
     priced += hw.intra.seconds("reduce_scatter", W, reduced, 1)
@@ -436,12 +440,6 @@ def _pg_ops(group):
     return {"all_gather": all_gather, "reduce_scatter": reduce_scatter, "all_reduce": all_reduce}
 
 
-def _intra_ops(group):
-    """The collectives ranks of one host use: the trainer's process group (on CPU that is the
-    shared-memory backend where it is available, see mesh.process_group_backend)."""
-    return _pg_ops(group), f"the trainer's process group ({dist.get_backend(group)})"
-
-
 def measure_link(ops, sizes: list[int], n: int, device, rounds: int = 1) -> dict[str, list[float]]:
     """{kind: [latency_s, bytes/s]} fitted to time = latency + ring_factor x payload / bw; each
     (kind, size) is the median over `rounds` interleaved rounds of its fastest call."""
@@ -468,7 +466,7 @@ def tp_sync_seconds(m: ModelConfig, tokens: int, world: int, dtype, device, reps
     """Extra seconds a tp-sized all-gather costs when it follows compute, as in a step, over the
     same all-gather back to back (where both ranks are already in step) plus the compute alone:
     each rank must be scheduled and done computing before the collective completes. Medians of
-    `reps` calls (the waits are the point, so not the fastest call)."""
+    `reps` calls."""
     group = dist.group.WORLD
     x = torch.randn(tokens // world, m.dim, dtype=dtype, device=device)  # a sequence shard
     h = torch.randn(tokens, m.dim, dtype=dtype, device=device)
@@ -484,18 +482,9 @@ def tp_sync_seconds(m: ModelConfig, tokens: int, world: int, dtype, device, reps
         compute()
         gather()
 
-    def median_seconds(fn):
-        fn()
-        dist.barrier()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    alone, gathered, interleaved = (median_seconds(f) for f in (compute, gather, both))
+    alone, gathered, interleaved = (
+        median_seconds(f, device, reps) for f in (compute, gather, both)
+    )
     return max(0.0, interleaved - alone - gathered)
 
 
@@ -582,20 +571,19 @@ def _measure(cfg: JobConfig, device: torch.device, world: int, threads: int) -> 
     for tp in tps:
         for n in tokens:
             probes[("matmul", n, tp)] = lambda n=n, tp=tp: matmul_rate(m, n, tp, dtype, device)
+    whole = sorted({max(n, S) for n in tokens[:3]})  # whole sequences: attention needs them
     for tp in tps:
-        for n in sorted({max(n, S) for n in tokens[:3]}):
+        for n in whole:
             probes[("attention", n, tp)] = lambda n=n, tp=tp: attention_rate(
                 m, n, S, tp, dtype, device
             )
-    for n in sorted({max(n, S) for n in tokens[:3]}):
+    for n in whole:
         probes[("elementwise", n, 1)] = lambda n=n: elementwise_bandwidth(m, n, S, dtype, device)
-    for mode in ("none", "selective", "full"):  # one micro batch of one sample
-        probes[("block", S, mode)] = lambda mode=mode: (
-            1.0 / block_seconds(m, S, S, mode, dtype, device)
+    # One sample under each checkpointing mode, and two without: the residual's two points.
+    for n, mode in ((S, "none"), (S, "selective"), (S, "full"), (2 * S, "none")):
+        probes[("block", n, mode)] = lambda n=n, mode=mode: (
+            1.0 / block_seconds(m, n, S, mode, dtype, device)
         )
-    probes[("block", 2 * S, "none")] = lambda: (
-        1.0 / block_seconds(m, 2 * S, S, "none", dtype, device)
-    )
     solo = None  # a one-rank mesh per process, for FSDP as the trainer applies it
     if dist.is_initialized():
         solo = init_device_mesh(device.type, (world, 1), mesh_dim_names=("ranks", "solo"))
@@ -644,10 +632,11 @@ def _measure(cfg: JobConfig, device: torch.device, world: int, threads: int) -> 
         block, root = cost.unit_bytes(m, world, 1, 4)
         acts = [n * m.dim * c for n in tokens]
         sizes = sorted({min(s, 64 << 20) for s in [*acts, block, root, 1 << 16]})
+        # The trainer's process group: on CPU the shared-memory backend where it is available
+        # (mesh.process_group_backend).
         group = dist.group.WORLD
-        ops, how = _intra_ops(group)
-        res["intra"] = measure_link(ops, sizes, world, device, rounds)
-        res["intra_how"] = how
+        res["intra"] = measure_link(_pg_ops(group), sizes, world, device, rounds)
+        res["intra_how"] = f"the trainer's process group ({dist.get_backend(group)})"
         tp_tokens = S * max(1, world)  # one sample per micro batch, split over the ranks
         res["tp_sync_s"] = statistics.median(
             tp_sync_seconds(m, tp_tokens, world, dtype, device) for _ in range(rounds)

@@ -143,6 +143,11 @@ class Hardware:
             return _lookup(rows, tokens, 1)
         return self.memory_bandwidth * self.memory_efficiency
 
+    def residual_per_block(self, tokens: float, tp: int) -> float:
+        """`block_residual_s` for one block and micro batch of `tokens` tokens over `tp` ranks."""
+        residual = self.block_residual_s
+        return residual.get("fixed", 0.0) + residual.get("per_token", 0.0) * tokens / tp
+
     def host_share(self, ranks_on_host: int) -> float:
         """How much faster (>1) or slower (<1) a rank computes than one calibrated core: the
         cores a rank gets when `ranks_on_host` ranks share the host. 1.0 for GPUs."""

@@ -397,9 +397,7 @@ def predict_valid(
     overhead = hw.checkpoint_overhead_s.get(p.activation_checkpoint, 0.0)
     checkpoint_s = overhead * m.n_layers * n_micro / min(1.0, share)
     # Calibrated: what a whole block takes beyond the pieces above (fixed + per token).
-    residual = hw.block_residual_s
-    per_block = residual.get("fixed", 0.0) + residual.get("per_token", 0.0) * N / T
-    block_residual_s = per_block * m.n_layers * n_micro / min(1.0, share)
+    block_residual_s = hw.residual_per_block(N, T) * m.n_layers * n_micro / min(1.0, share)
     # Per-op CPU cost of eager PyTorch: ops dispatched in the step x seconds per op. CPU: the
     # rank's thread runs it between kernels (a rank with less than a core waits for one); GPU:
     # the host runs ahead, so only what exceeds the kernels' time is exposed.
