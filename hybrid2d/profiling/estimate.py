@@ -66,7 +66,7 @@ class MeshShape:
 
     @property
     def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return self.dp * self.tp
 
     @property
     def dp(self) -> int:
@@ -191,27 +191,26 @@ def estimate(cfg: JobConfig, mesh: MeshShape, rank: int = 0, target: str = "cuda
 
     # ---- parameters, gradients, optimizer state (exact) -------------------------------------
     params = model_params(m)
-    padded = real = 0
+    padded = real = biggest_local = tp_local_numel = lm_head_gathered = 0
     unit_gathered: dict[int, int] = {}
-    lm_head_gathered = 0
     for info in params:
         local = tp_local_shape(info, tp)
         pad, mine = fsdp_shard(local, dps, shard_rank)
         padded += pad
         real += mine
+        biggest_local = max(biggest_local, mine)
+        tp_local_numel += math.prod(local)
         unit_gathered[info.unit] = unit_gathered.get(info.unit, 0) + pad * dps * c
         if info.name == "lm_head.weight" or (m.tie_embeddings and "embed_tokens" in info.name):
             lm_head_gathered = pad * dps * c
     buffers = (m.head_dim // 2) * 4  # inv_freq (fp32, every rank)
     parameters = padded * 4 + buffers
     gradients = padded * 4
+    optimizer = 0
     if t.optimizer == "adamw":
         # exp_avg and exp_avg_sq per parameter; the step counters are 0-d fp32 tensors on the
         # CPU unless the optimizer is fused/capturable, so they count on the CPU only.
         optimizer = 2 * real * 4 + (len(params) * 4 if target == "cpu" else 0)
-    else:
-        optimizer = 0
-    biggest_local = max(fsdp_shard(tp_local_shape(i, tp), dps, shard_rank)[1] for i in params)
 
     # ---- activations ------------------------------------------------------------------------
     local_batch = t.global_batch // mesh.dp
@@ -258,7 +257,6 @@ def estimate(cfg: JobConfig, mesh: MeshShape, rank: int = 0, target: str = "cuda
     head = Nl * D * (4 + c) + Nl * 4 + N * D * c
     logits = N * (vocab // tp) * 4
     inputs = 2 * b * S * 8 + 2 * S * hd * c
-    loss_k = 3
     # tp > 1: the vocab-parallel loss's per-token tensors beside the logits' three (row max and
     # its index, sum of exp, target logit, their all-reduced copies, the label masks and
     # offsets): 40 bytes a token, counted on CPU.
@@ -269,7 +267,7 @@ def estimate(cfg: JobConfig, mesh: MeshShape, rank: int = 0, target: str = "cuda
     head_gather = Nl * D * c + (2 * N * D * c if tp > 1 else 0)
     act = {
         "end of forward": blocks_saved + Nl * D * (4 + c) + Nl * 4 + head_gather + inputs,
-        "loss": blocks_saved + head + loss_k * logits + loss_tokens + inputs,
+        "loss": blocks_saved + head + 3 * logits + loss_tokens + inputs,
         "last block backward": blocks_saved
         + (block - kept + ckpt if recomputes else 0)
         + ffn_grad
@@ -304,7 +302,7 @@ def estimate(cfg: JobConfig, mesh: MeshShape, rank: int = 0, target: str = "cuda
     defer = p.defer_grad_sync
     if defer and n_micro > 1:
         # Gradients stay unsharded (fp32) from one micro batch to the next.
-        unsharded_grads = sum(math.prod(tp_local_shape(i, tp)) for i in params) * 4
+        unsharded_grads = tp_local_numel * 4
         for name in ("end of forward", "loss", "last block backward"):
             comm[name] += unsharded_grads
         comm_peak += unsharded_grads
