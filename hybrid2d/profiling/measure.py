@@ -131,12 +131,10 @@ class MemoryTracker(TorchDispatchMode):
         self.device: torch.device | None = None
         self._live: dict[int, _Storage] = {}
         self.current = dict.fromkeys(CATEGORIES, 0)
-        self.total = 0
-        self.peak = 0
+        self.total = self.peak = 0
         self.peak_breakdown = dict.fromkeys(CATEGORIES, 0)
-        self.peak_phase = "forward"
         self.max_by_category = dict.fromkeys(CATEGORIES, 0)
-        self.phase = "forward"
+        self.phase = self.peak_phase = "forward"
         self._handles: list = []
         self._grad_hooked: set[int] = set()
         self._orig_resize = None
@@ -163,6 +161,11 @@ class MemoryTracker(TorchDispatchMode):
                     self._count(rec.category, -rec.nbytes)
                     self._count(category, rec.nbytes)
                     rec.category = category
+
+    def _add_tree(self, tree, category: str, retag: bool = False) -> None:
+        for t in tree_flatten(tree)[0]:
+            if isinstance(t, torch.Tensor):
+                self._add(t, category, retag)
 
     def _free(self, key: int) -> None:
         rec = self._live.pop(key, None)
@@ -248,8 +251,7 @@ class MemoryTracker(TorchDispatchMode):
         if params:
             self.device = _local(params[0]).device
         for category, tensors in static_tensors(self.model, self.optimizer).items():
-            for t in tensors:
-                self._add(t, category)
+            self._add_tree(tensors, category)
         self.max_by_category = dict(self.current)
         self.peak = self.total
         self.peak_breakdown = dict(self.current)
@@ -282,23 +284,17 @@ class MemoryTracker(TorchDispatchMode):
         if name in _COMM_OP_NAMES or _is_collective(func):
             if name == "all_gather_copy_in":
                 # Its inputs are the parameter shards; its output is the flat buffer.
-                flat, _ = tree_flatten(args[1])
+                buffers = args[1]
             elif _is_collective(func) and "reduce_scatter" in func.__name__:
                 # Its output becomes the sharded gradients (tagged by their hook).
-                flat, _ = tree_flatten((args[1:], kwargs))
+                buffers = (args[1:], kwargs)
             else:
-                flat, _ = tree_flatten((args, kwargs))
-            for t in flat:
-                if isinstance(t, torch.Tensor):
-                    self._add(t, "communication", retag=True)
+                buffers = (args, kwargs)
+            self._add_tree(buffers, "communication", retag=True)
         if self.phase != "optimizer":
             # The autograd engine runs a graph task during backward (the loss's included).
             self.phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
-        category = "optimizer" if self.phase == "optimizer" else "activations"
-        flat, _ = tree_flatten(out)
-        for t in flat:
-            if isinstance(t, torch.Tensor):
-                self._add(t, category)
+        self._add_tree(out, "optimizer" if self.phase == "optimizer" else "activations")
         self._update_peak()
         return out
 
