@@ -60,14 +60,9 @@ HEAVY_OPS = {
 
 
 class SimulationMode(TorchDispatchMode):
-    """What a one-rank simulation changes in the ops it runs (never what they allocate).
-
-    - A Python scalar read from a tensor (`.item()`) that is not finite reads 0: the fake
-      collectives leave garbage in their outputs, and the trainer's non-finite guard would
-      otherwise stop the step before the optimizer runs.
-    - With `skip_compute`, heavy ops return uninitialised outputs of the shape, stride and
-      dtype the real kernel produces (found by running the op on the meta device).
-    """
+    """What a one-rank simulation changes in the ops it runs (never what they allocate): heavy
+    ops skipped (see the module docstring), and a non-finite `.item()` reads 0, since the fake
+    collectives leave garbage that the trainer's non-finite guard would stop the step on."""
 
     def __init__(self, skip_compute: bool = True):
         super().__init__()
@@ -123,7 +118,7 @@ def prepare_config(cfg: JobConfig, mesh: tuple[int, int, int], target: str) -> J
     cfg.parallel.compile = False  # eager: the memory model and the tracker assume it
     cfg.checkpoint.init_from = cfg.checkpoint.resume = ""
     cfg.train.device = "cpu"
-    cfg.validate(mesh[0] * mesh[1] * mesh[2])
+    cfg.validate(math.prod(mesh))
     return cfg
 
 
@@ -146,7 +141,7 @@ def simulate(
 
     start = time.perf_counter()
     cfg = prepare_config(cfg, mesh, target)
-    world = mesh[0] * mesh[1] * mesh[2]
+    world = math.prod(mesh)
     torch.set_flush_denormal(True)
     torch.manual_seed(cfg.train.seed)
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
@@ -206,6 +201,7 @@ def run_subprocess(
 ) -> dict:
     """`simulate` in a fresh Python process; returns its result (raises with its stderr)."""
     spec = {"config": cfg.to_dict(), "mesh": list(mesh), "rank": rank, "target": target}
+    spec["skip_compute"] = skip_compute
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     # A launcher's rank variables (the caller may be a rank itself) are not the simulation's.
     launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
@@ -215,7 +211,7 @@ def run_subprocess(
         out = os.path.join(tmp, "out.json")
         proc = subprocess.run(
             [sys.executable, "-m", "hybrid2d.simulate", out],
-            input=json.dumps(spec | {"skip_compute": skip_compute}),
+            input=json.dumps(spec),
             env=env,
             capture_output=True,
             text=True,
