@@ -62,7 +62,7 @@ from hybrid2d.comm_report import analytic_step
 from hybrid2d.config import ConfigError, JobConfig, ModelConfig
 from hybrid2d.metrics import flops_per_token
 from hybrid2d.planner import ops
-from hybrid2d.planner.hardware import Hardware, Link
+from hybrid2d.planner.hardware import KINDS, Hardware, Link
 from hybrid2d.profiling.estimate import (
     MeshShape,
     compute_dtype_bytes,
@@ -107,18 +107,14 @@ class Candidate:
 
     def flags(self) -> list[str]:
         """The trainer's settings for this candidate."""
-        return [
-            "--parallel.dp_replicate",
-            str(self.dp_replicate),
-            "--parallel.dp_shard",
-            str(self.dp_shard),
-            "--parallel.tp",
-            str(self.tp),
-            "--parallel.activation_checkpoint",
-            self.activation_checkpoint,
-            "--train.micro_batch",
-            str(self.micro_batch),
-        ]
+        settings = {
+            "parallel.dp_replicate": self.dp_replicate,
+            "parallel.dp_shard": self.dp_shard,
+            "parallel.tp": self.tp,
+            "parallel.activation_checkpoint": self.activation_checkpoint,
+            "train.micro_batch": self.micro_batch,
+        }
+        return [arg for name, value in settings.items() for arg in (f"--{name}", str(value))]
 
 
 def variant(cfg: JobConfig, mesh: MeshShape, **settings) -> JobConfig:
@@ -286,7 +282,7 @@ def predict(
 ) -> Candidate:
     """Step time, throughput, MFU and peak memory of `cfg` on `mesh` (ConfigError when invalid)."""
     G = gpus_per_node or hardware.gpus_per_node
-    if mesh.tp > G or G % mesh.tp:
+    if not group_inside_node(mesh.tp, G):
         raise ConfigError(f"tp={mesh.tp} crosses nodes ({G} GPUs per node)")
     return predict_valid(job_on_mesh(cfg, mesh), mesh, hardware, G, headroom)
 
@@ -303,15 +299,10 @@ def tp_block_overhead(hw: Hardware, T: int, ranks_on_host: int, comm_scale: floa
 
 
 def predict_valid(
-    job: JobConfig,
-    mesh: MeshShape,
-    hardware: Hardware,
-    gpus_per_node: int | None = None,
-    headroom: float = DEFAULT_HEADROOM,
+    job: JobConfig, mesh: MeshShape, hw: Hardware, G: int, headroom: float = DEFAULT_HEADROOM
 ) -> Candidate:
-    """`predict` for a job already validated on this mesh (the search validates each mesh once)."""
-    hw = hardware
-    G = gpus_per_node or hw.gpus_per_node
+    """`predict` for a job already validated on this mesh (the search validates each mesh once),
+    with G GPUs per node."""
     m, t, p = job.model, job.train, job.parallel
     W, T, Sh, R = mesh.world, mesh.tp, mesh.dp_shard, mesh.dp_replicate
     c = compute_dtype_bytes(job, hw.target)
@@ -322,7 +313,9 @@ def predict_valid(
     N = b * S
     ranks_on_host = min(W, G)
     share = hw.host_share(ranks_on_host)  # CPU: cores per rank (per calibrated core); GPU: 1
-    comm_scale = 1.0 / min(1.0, share) if hw.host_cores else 1.0
+    # What the host-run parts are slowed by: a rank with less than a core waits for one.
+    slow = min(1.0, share)
+    comm_scale = 1.0 / slow
 
     # ---- compute ----------------------------------------------------------------------------
     f = flops(m, S, p.activation_checkpoint, T)
@@ -336,9 +329,8 @@ def predict_valid(
     bandwidth = hw.elementwise_bandwidth(N) * share * eager
     block_fwd = sum(block_elementwise_bytes(m, N, T, c).values())
     recompute_passes = 1 if p.activation_checkpoint in ("full", "selective") else 0
-    elem_per_micro = m.n_layers * block_fwd * (3 + recompute_passes) + head_elementwise_bytes(
-        m, N, T, c
-    )
+    head_bytes = head_elementwise_bytes(m, N, T, c)
+    elem_per_micro = m.n_layers * block_fwd * (3 + recompute_passes) + head_bytes
 
     # ---- collectives (the comm report's analytic counts) ------------------------------------
     step = analytic_step(m, Sh, T, local, S, n_micro, p.reshard_after_forward, elt=c)
@@ -347,7 +339,7 @@ def predict_valid(
     tp_s = 0.0
     tp_bytes = 0
     tp_count = 0
-    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+    for kind in KINDS:
         count, payload = step.get(f"tp_{kind}", (0, 0))
         if p.activation_checkpoint == "full" and kind != "all_reduce" and count:
             # The recomputed forward repeats each block's two sequence gathers and the
@@ -395,28 +387,19 @@ def predict_valid(
     elementwise_s = elem_bytes / bandwidth
     # Calibrated: what checkpointing costs beyond its recompute (one core's seconds per block).
     overhead = hw.checkpoint_overhead_s.get(p.activation_checkpoint, 0.0)
-    checkpoint_s = overhead * m.n_layers * n_micro / min(1.0, share)
+    checkpoint_s = overhead * m.n_layers * n_micro / slow
     # Calibrated: what a whole block takes beyond the pieces above (fixed + per token).
-    block_residual_s = hw.residual_per_block(N, T) * m.n_layers * n_micro / min(1.0, share)
+    block_residual_s = hw.residual_per_block(N, T) * m.n_layers * n_micro / slow
     # Per-op CPU cost of eager PyTorch: ops dispatched in the step x seconds per op. CPU: the
-    # rank's thread runs it between kernels (a rank with less than a core waits for one); GPU:
-    # the host runs ahead, so only what exceeds the kernels' time is exposed.
+    # rank's thread runs it between kernels; GPU: the host runs ahead, so only what exceeds the
+    # kernels' time is exposed.
     op_counts = ops.step_ops(
-        m,
-        p.activation_checkpoint,
-        n_micro,
-        tp_count,
-        ag_count,
-        rs_count,
-        len(model_params(m)),
+        m, p.activation_checkpoint, n_micro, tp_count, ag_count, rs_count, len(model_params(m))
     )
     n_ops = sum(op_counts.values())
-    dispatch_total = n_ops * hw.op_overhead_s / (min(1.0, share) if hw.host_cores else 1.0)
+    dispatch_total = n_ops * hw.op_overhead_s / slow
     kernels_s = matmul_s + attention_s + elementwise_s + checkpoint_s + block_residual_s
-    if hw.host_cores:
-        dispatch_s = dispatch_total
-    else:
-        dispatch_s = max(0.0, dispatch_total - kernels_s)
+    dispatch_s = dispatch_total if hw.host_cores else max(0.0, dispatch_total - kernels_s)
     compute_s = kernels_s + dispatch_s
     forward_s = (
         f["matmul"] / 3 * rank_tokens / mm_rate

@@ -51,6 +51,7 @@ OPS_PER_FSDP_REDUCE_PARAM = 2
 # dispatch once per list, but each tensor's DTensor unwrap and state are per tensor).
 OPS_PER_PARAM_OPTIMIZER = 4
 OPS_PER_STEP_OPTIMIZER = 20  # norms' stack, pow, sum, sqrt, clip coefficient, lr, ...
+BLOCK_PARAMS = 9  # parameter tensors of one block: q, k, v, o, gate, up, down, two norms
 
 
 class OpCounter(TorchDispatchMode):
@@ -160,11 +161,6 @@ def _head_ops(structure: tuple) -> int:
     return counter.count
 
 
-def block_params() -> int:
-    """Parameter tensors of one block (q, k, v, o, gate, up, down, two norms)."""
-    return 9
-
-
 def step_ops(
     m: ModelConfig,
     mode: str,
@@ -176,12 +172,11 @@ def step_ops(
 ) -> dict[str, int]:
     """Ops one rank dispatches in a step, by source. `fsdp_gathers` / `fsdp_reduces` count the
     unit collectives (all units, every micro batch); `params` the rank's parameter tensors."""
-    unit_params = block_params()
     return {
         "blocks": m.n_layers * n_micro * block_ops(m, mode),
         "head": n_micro * head_ops(m),
         "tp_collectives": tp_collectives * OPS_PER_TP_COLLECTIVE,
-        "fsdp": fsdp_gathers * (OPS_PER_FSDP_GATHER + OPS_PER_FSDP_GATHER_PARAM * unit_params)
-        + fsdp_reduces * (OPS_PER_FSDP_REDUCE + OPS_PER_FSDP_REDUCE_PARAM * unit_params),
+        "fsdp": fsdp_gathers * (OPS_PER_FSDP_GATHER + OPS_PER_FSDP_GATHER_PARAM * BLOCK_PARAMS)
+        + fsdp_reduces * (OPS_PER_FSDP_REDUCE + OPS_PER_FSDP_REDUCE_PARAM * BLOCK_PARAMS),
         "optimizer": params * OPS_PER_PARAM_OPTIMIZER + OPS_PER_STEP_OPTIMIZER,
     }

@@ -16,6 +16,7 @@ from hybrid2d.planner.hardware import Hardware
 from hybrid2d.planner.model import (
     DEFAULT_HEADROOM,
     Candidate,
+    group_inside_node,
     job_on_mesh,
     predict_valid,
     variant,
@@ -92,7 +93,7 @@ def plan(
 
 def mesh_problem(cfg: JobConfig, mesh: MeshShape, gpus_per_node: int) -> str | None:
     """Why the trainer cannot run cfg on this mesh here, or None."""
-    if mesh.tp > gpus_per_node or gpus_per_node % mesh.tp:
+    if not group_inside_node(mesh.tp, gpus_per_node):
         return f"tp={mesh.tp} crosses nodes ({gpus_per_node} GPUs per node)"
     try:  # the micro batch is the search's to choose, not the mesh's problem
         job_on_mesh(variant(cfg, mesh, train__micro_batch=0), mesh)
