@@ -84,14 +84,12 @@ class Entry:
     def notes(self) -> list[str]:
         """What the estimate and the simulation say besides the figures, one line each."""
         out = []
-        if self.estimate:
-            est = self.estimate
+        if est := self.estimate:
             out.append(
                 f"estimated peak at: {est['peak_phase']}; micro batch {est['micro_batch']} x "
                 f"{est['micro_batches']} per step, sequence {est['seq_len']}"
             )
-        if self.simulated:
-            s = self.simulated
+        if s := self.simulated:
             step = f" (step {s['step_s']:.0f} s)" if "step_s" in s else ""
             out.append(
                 f"simulated rank {s['rank']} of {s['world_size']} ({s['mixed_precision']}, "
@@ -109,8 +107,9 @@ class Report:
     notes: list[str] = field(default_factory=list)
 
 
-def _diff(a: int, b: int | None) -> str:
-    return f" ({100 * (a - b) / b:+.1f}%)" if b else ""
+def _cell(n: int, ref: int | None) -> str:
+    """`n` bytes, and how far from the reference source's figure when there is one."""
+    return fmt_bytes(n) + (f" ({100 * (n - ref) / ref:+.1f}%)" if ref else "")
 
 
 def _blocks(rep: Report) -> list[tuple]:
@@ -136,11 +135,7 @@ def _blocks(rep: Report) -> list[tuple]:
         vals = {s: e.values(s) for s in e.sources()}
         ref = vals.get(e.reference()) or {}
         rows = [
-            [LABELS[c]]
-            + [
-                fmt_bytes(v[c]) + ("" if v is ref else _diff(v[c], ref.get(c)))
-                for v in vals.values()
-            ]
+            [LABELS[c], *(_cell(v[c], None if v is ref else ref.get(c)) for v in vals.values())]
             for c in CATEGORIES
         ]
         by_category = [(LABELS[c], [(s, v[c]) for s, v in vals.items()]) for c in CATEGORIES]
@@ -226,15 +221,13 @@ def svg_grouped_bars(title: str, groups: list[tuple[str, list[tuple[str, float]]
         )
         for s, v in bars:
             w = max(1.0, width * v / vmax)
-            parts.append(
+            parts += [
                 f'<rect x="{left}" y="{y}" width="{w:.1f}" height="{bar - 2}" '
                 f'fill="{COLORS.get(s, "#888")}"><title>{_esc(s)}: {_esc(fmt_bytes(v))}</title>'
-                "</rect>"
-            )
-            parts.append(
+                "</rect>",
                 f'<text x="{left + w + 4:.1f}" y="{y + bar - 4}" class="v">{_esc(fmt_bytes(v))}'
-                "</text>"
-            )
+                "</text>",
+            ]
             y += bar
         y += gap
     parts += _legend([(s, COLORS.get(s, "#888")) for s in series], left, height - 9)[0]
@@ -285,11 +278,11 @@ def svg_stacked_bars(
     parts += legend
     svg_width = max(width, x + (140 if marks else 0))
     if marks:
-        parts.append(
+        parts += [
             f'<line x1="{x}" y1="{height - 17}" x2="{x + 12}" y2="{height - 17}" '
-            f'stroke="{COLORS["estimated"]}" stroke-width="3"/>'
-        )
-        parts.append(f'<text x="{x + 16}" y="{height - 13}">estimated peak</text>')
+            f'stroke="{COLORS["estimated"]}" stroke-width="3"/>',
+            f'<text x="{x + 16}" y="{height - 13}">estimated peak</text>',
+        ]
     return _svg(title, svg_width, height, parts)
 
 
@@ -376,11 +369,8 @@ def _rank_label(ranks: list[str]) -> str:
     if len(ranks) == 1:
         return ranks[0]
     nums = [int(r) for r in ranks]
-    span = (
-        f"{nums[0]}-{nums[-1]}"
-        if nums == list(range(nums[0], nums[-1] + 1))
-        else (f"{nums[0]}, {nums[1]}, ...")
-    )
+    contiguous = nums == list(range(nums[0], nums[-1] + 1))
+    span = f"{nums[0]}-{nums[-1]}" if contiguous else f"{nums[0]}, {nums[1]}, ..."
     return f"{span} (x{len(ranks)})"
 
 
