@@ -21,7 +21,6 @@ simulation's process group, RSS and peak never mix with another's; `run_subproce
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import math
@@ -30,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import unittest.mock
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -89,11 +89,8 @@ class SimulationMode(TorchDispatchMode):
         )
 
 
-@contextlib.contextmanager
 def _noise_init():
     """Make `Llama.init_weights` fill each local shard with noise, never a full tensor."""
-
-    original = Llama.init_weights
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -102,11 +99,7 @@ def _noise_init():
             local = p.to_local() if isinstance(p, DTensor) else p
             local.copy_(torch.randn(local.shape, generator=gen, dtype=local.dtype) * 0.02)
 
-    Llama.init_weights = init_weights
-    try:
-        yield
-    finally:
-        Llama.init_weights = original
+    return unittest.mock.patch.object(Llama, "init_weights", init_weights)
 
 
 def prepare_config(cfg: JobConfig, mesh: tuple[int, int, int], target: str) -> JobConfig:
