@@ -510,36 +510,26 @@ def _plan_line(p: dict) -> str:
 
 
 def format_summary(s: dict) -> str:
+    lines = ["summary", f"  steps          {s['steps']}"]
+    if s["losses"]:
+        lines.append(f"  loss           {s['first_loss']:.4f} -> {s['last_loss']:.4f}")
+    if s.get("val_loss") is not None:
+        lines.append(f"  val loss       {s['val_loss']:.4f} (perplexity {s['val_ppl']:.2f})")
+    if train := s.get("data", {}).get("train"):
+        lines.append(
+            f"  truncated      {train['truncated']} samples "
+            f"({train['dropped']} dropped: no loss token within seq_len)"
+        )
+    lines.append(f"  tokens/s       {s['tokens_per_s']:,.0f}")
+    if "step_error" in s.get("plan", {}):
+        lines.append(_plan_line(s["plan"]))
     peaks = ", ".join(f"{b / 2**20:.0f}" for b in s["peak_memory_bytes_per_rank"])
-    return "\n".join(
-        [
-            "summary",
-            f"  steps          {s['steps']}",
-            *(
-                [f"  loss           {s['first_loss']:.4f} -> {s['last_loss']:.4f}"]
-                if s["losses"]
-                else []
-            ),
-            *(
-                [f"  val loss       {s['val_loss']:.4f} (perplexity {s['val_ppl']:.2f})"]
-                if s.get("val_loss") is not None
-                else []
-            ),
-            *(
-                [
-                    f"  truncated      {s['data']['train']['truncated']} samples "
-                    f"({s['data']['train']['dropped']} dropped: no loss token within seq_len)"
-                ]
-                if s.get("data", {}).get("train")
-                else []
-            ),
-            f"  tokens/s       {s['tokens_per_s']:,.0f}",
-            *([_plan_line(s["plan"])] if "step_error" in s.get("plan", {}) else []),
-            f"  time           {s['time_s']:.1f} s",
-            f"  peak MiB/rank  {peaks}",
-            f"  run dir        {s['run_dir']}",
-        ]
-    )
+    lines += [
+        f"  time           {s['time_s']:.1f} s",
+        f"  peak MiB/rank  {peaks}",
+        f"  run dir        {s['run_dir']}",
+    ]
+    return "\n".join(lines)
 
 
 __all__ = ["Trainer", "build_model", "run", "ConfigError"]
