@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -70,16 +71,10 @@ def tp_choices(m: ModelConfig, limit: int) -> list[int]:
 
 
 def token_counts(cfg: JobConfig, max_tokens: int | None) -> list[int]:
-    """Tokens of one micro batch for micro batches 1, 2, 4, ... up to the global batch."""
-    out, b = [], 1
-    while b <= cfg.train.global_batch:
-        n = b * cfg.train.seq_len
-        if max_tokens and n > max_tokens:
-            out.append(max_tokens)
-            break
-        out.append(n)
-        b *= 2
-    return sorted(set(out))
+    """Tokens of one micro batch for micro batches 1, 2, 4, ... up to the global batch, at most
+    `max_tokens` when given."""
+    batches = [2**i for i in range(cfg.train.global_batch.bit_length())]
+    return sorted({min(b * cfg.train.seq_len, max_tokens or math.inf) for b in batches})
 
 
 def _sync(device: torch.device) -> None:
@@ -562,7 +557,7 @@ def _measure(cfg: JobConfig, device: torch.device, world: int, threads: int) -> 
     res: dict = {"tokens": tokens, "tps": tps, "threads": threads, "procs": world}
 
     def together():
-        if dist.is_initialized() and world > 1:
+        if world > 1:
             dist.barrier()
 
     # Every probe once per round, rounds interleaved, so that a shared machine's drift hits
@@ -584,22 +579,20 @@ def _measure(cfg: JobConfig, device: torch.device, world: int, threads: int) -> 
         probes[("block", n, mode)] = lambda n=n, mode=mode: (
             1.0 / block_seconds(m, n, S, mode, dtype, device)
         )
-    solo = None  # a one-rank mesh per process, for FSDP as the trainer applies it
-    if dist.is_initialized():
-        solo = init_device_mesh(device.type, (world, 1), mesh_dim_names=("ranks", "solo"))
-        solo = solo["solo"]
-    if dist.is_initialized() and world > 1 and m.n_heads % world == 0 and S % world == 0:
+    # A one-rank mesh per process, for FSDP as the trainer applies it.
+    solo = init_device_mesh(device.type, (world, 1), mesh_dim_names=("ranks", "solo"))["solo"]
+    if world > 1 and m.n_heads % world == 0 and S % world == 0:
         tp_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
         probes[("tp_block", S, world)] = lambda: (
             1.0 / sharded_block_seconds(m, S, dtype, device, tp_mesh=tp_mesh)
         )
-    if dist.is_initialized() and world > 1:
+    if world > 1:
         dp_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
         probes[("fsdp_block", S, world)] = lambda: (
             1.0 / sharded_block_seconds(m, S, dtype, device, dp_mesh=dp_mesh)
         )
     probes[("dispatch", 0, 0)] = lambda: 1.0 / seconds_per_op(m, device, solo)
-    res["dispatch_under_fsdp"] = solo is not None
+    res["dispatch_under_fsdp"] = True
     n_params = max(4096, min(4_000_000, m.num_params() // max(1, world)))
     probes[("optimizer", 0, 0)] = lambda: 1.0 / optimizer_seconds_per_param(n_params, device)
     found: dict[tuple, list[float]] = {}
@@ -728,24 +721,19 @@ def _spawn(procs: int, args: dict, timeout: float = 600) -> None:
     )
     env = dict(os.environ, HYBRID2D_CALIBRATE=json.dumps(args), OMP_NUM_THREADS="1")
     env.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
+    env.update(WORLD_SIZE=str(procs), LOCAL_WORLD_SIZE=str(procs))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     code = "from hybrid2d.planner.calibrate import _worker_main; _worker_main()"
-    ranks = []
-    for rank in range(procs):
-        env_r = dict(
-            env,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(store.port),
-            RANK=str(rank),
-            WORLD_SIZE=str(procs),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(procs),
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+            stderr=subprocess.PIPE,
+            text=True,
         )
-        ranks.append(
-            subprocess.Popen(
-                [sys.executable, "-c", code], env=env_r, stderr=subprocess.PIPE, text=True
-            )
-        )
+        for rank in range(procs)
+    ]
     errors = []
     try:
         for rank, proc in enumerate(ranks):
@@ -803,10 +791,8 @@ def profile_from(raw: dict, cfg: JobConfig, device: str, base: Hardware | None) 
                 "elementwise_table": "measured (the block's elementwise ops)",
             },
         )
-    hw.matmul_table = raw["matmul_table"]
-    hw.attention_table = raw["attention_table"]
-    hw.elementwise_table = raw["elementwise_table"]
-    hw.optimizer_s_per_param = raw["optimizer_s_per_param"]
+    for name in ("matmul_table", "attention_table", "elementwise_table", "optimizer_s_per_param"):
+        setattr(hw, name, raw[name])
     if "intra" in raw:
         hw.intra = Link(bandwidth=max(v[1] for v in raw["intra"].values()), measured=raw["intra"])
         hw.sources["intra"] = f"measured with {raw['procs']} processes: {raw['intra_how']}"

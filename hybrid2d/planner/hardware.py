@@ -175,11 +175,11 @@ class Hardware:
         missing = [n for n in required if n not in d]
         if missing:
             raise ConfigError(f"{where}: missing field {missing[0]!r}")
+        link_names = {f.name for f in dataclasses.fields(Link)}
         for side in ("intra", "inter"):
             link = d[side]
             if not isinstance(link, dict) or "bandwidth" not in link:
                 raise ConfigError(f"{where}: {side} must be an object with a bandwidth (bytes/s)")
-            link_names = {f.name for f in dataclasses.fields(Link)}
             bad = sorted(set(link) - link_names)
             if bad:
                 raise ConfigError(f"{where}: {side}.{bad[0]} is not one of {sorted(link_names)}")

@@ -11,19 +11,10 @@ from hybrid2d.config import ConfigError, JobConfig
 from hybrid2d.launcher import LAUNCHER_MESH_ENV
 from hybrid2d.planner import hardware as profiles
 from hybrid2d.planner.hardware import Hardware
-from hybrid2d.planner.model import Candidate, predict
+from hybrid2d.planner.model import PLANNED, Candidate, predict
 from hybrid2d.planner.search import best_plan
 from hybrid2d.profiling.estimate import MeshShape
 
-# What parallel.plan=auto chooses; setting one of these on the command line, or a mesh size in
-# the accelerate config (its PARALLELISM_CONFIG_* variables), as well is an error.
-PLANNED = (
-    "parallel.dp_replicate",
-    "parallel.dp_shard",
-    "parallel.tp",
-    "parallel.activation_checkpoint",
-    "train.micro_batch",
-)
 _GPU_NAMES = (("H200", "h200"), ("H100", "h100"), ("B200", "b200"), ("A100", "a100-80gb"))
 
 
@@ -67,6 +58,8 @@ def apply_auto_plan(
 ) -> str:
     """parallel.plan=auto: set mesh, checkpointing and micro batch from the best plan for
     `world` ranks; one line saying what was taken (ConfigError when nothing fits)."""
+    # Setting one of PLANNED on the command line, or a mesh size in the accelerate config (its
+    # PARALLELISM_CONFIG_* variables), as well is an error.
     both = sorted(name for name in PLANNED if name in set_on_cli)
     if both:
         raise ConfigError(

@@ -74,6 +74,14 @@ from hybrid2d.profiling.estimate import (
 
 GiB = 2**30
 DEFAULT_HEADROOM = 0.10
+# The trainer settings a candidate fixes (what parallel.plan=auto chooses).
+PLANNED = (
+    "parallel.dp_replicate",
+    "parallel.dp_shard",
+    "parallel.tp",
+    "parallel.activation_checkpoint",
+    "train.micro_batch",
+)
 
 
 @dataclass
@@ -106,15 +114,11 @@ class Candidate:
         return dataclasses.asdict(self)
 
     def flags(self) -> list[str]:
-        """The trainer's settings for this candidate."""
-        settings = {
-            "parallel.dp_replicate": self.dp_replicate,
-            "parallel.dp_shard": self.dp_shard,
-            "parallel.tp": self.tp,
-            "parallel.activation_checkpoint": self.activation_checkpoint,
-            "train.micro_batch": self.micro_batch,
-        }
-        return [arg for name, value in settings.items() for arg in (f"--{name}", str(value))]
+        """The trainer's settings for this candidate (PLANNED, each named as its field here)."""
+        values = [getattr(self, name.split(".")[1]) for name in PLANNED]
+        return [
+            arg for name, v in zip(PLANNED, values, strict=True) for arg in (f"--{name}", str(v))
+        ]
 
 
 def variant(cfg: JobConfig, mesh: MeshShape, **settings) -> JobConfig:
@@ -421,8 +425,8 @@ def predict_valid(
     else:
         L = m.n_layers
 
-        def one(kind, link, n, payload, scale=comm_scale):
-            return link.seconds(kind, n, payload) * scale
+        def one(kind, link, n, payload):
+            return link.seconds(kind, n, payload) * comm_scale
 
         g_block = one("all_gather", shard_link, Sh, block_ag)
         g_root = one("all_gather", shard_link, Sh, root_ag)
