@@ -65,9 +65,10 @@ MIN_TIME_S = 0.03
 CPU_ROUNDS = 3
 
 
-def tp_choices(m: ModelConfig, limit: int) -> list[int]:
+def tp_choices(m: ModelConfig) -> list[int]:
+    """The tp sizes up to a node's 8 that the trainer can shard this model over."""
     sizes = (m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size)
-    return [t for t in (1, 2, 4, 8) if t <= limit and not any(s % t for s in sizes)]
+    return [t for t in (1, 2, 4, 8) if not any(s % t for s in sizes)]
 
 
 def token_counts(cfg: JobConfig, max_tokens: int | None) -> list[int]:
@@ -92,10 +93,8 @@ def timed(
     _sync(device)
     times = []
     start = time.perf_counter()
-    while (
-        (len(times) < reps)
-        if reps
-        else (len(times) < 3 or (time.perf_counter() - start < min_time and len(times) < max_reps))
+    while len(times) < (reps or 3) or (
+        not reps and time.perf_counter() - start < min_time and len(times) < max_reps
     ):
         t0 = time.perf_counter()
         fn()
@@ -550,7 +549,7 @@ def _measure(cfg: JobConfig, device: torch.device, world: int, threads: int) -> 
     dtype = torch.float32 if cpu else torch.bfloat16
     c = 4 if cpu else 2
     tokens = token_counts(cfg, CPU_MAX_TOKENS if cpu else None)
-    tps = tp_choices(m, 8)
+    tps = tp_choices(m)
     per = threads if cpu else 1  # rates per core on CPU
     rounds = CPU_ROUNDS if cpu else 1
     started = time.perf_counter()
