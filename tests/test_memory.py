@@ -411,6 +411,14 @@ def test_trainer_profile_memory_writes_json_tensorboard_and_report(tmp_path):
     page = (run_dir / "memory" / "memory_report.html").read_text()
     ET.fromstring(page.split("\n", 1)[1])
     assert "measured" in page and "estimated" in page
+    # The tool's report of the run replaces the run's own, in memory/, not beside config.json.
+    sys.path.insert(0, str(REPO / "tools"))
+    import memory_report
+
+    assert memory_report.main(["--run-dir", str(run_dir), "--target", "cpu"]) == 0
+    assert not list(run_dir.glob("memory_report.*"))
+    page = (run_dir / "memory" / "memory_report.html").read_text()
+    assert "measured" in page and "estimated" in page and "Memory per rank of" in page
     # The summary compares the plan's peak with the tracked tensors' peak, not with RSS.
     plan = json.loads((run_dir / "summary.json").read_text())["plan"]
     tracked = max(s["peak"] for r in ranks for s in r["steps"])

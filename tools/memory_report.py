@@ -15,7 +15,7 @@ when the recipe's micro batch would not fit in this machine's memory it simulate
 micro batch that does and says so. --run-dir reads the per-rank figures a run made with
 --profile.memory and puts them next to the estimate. The report is printed; a Markdown and an
 HTML copy (memory_report.md, memory_report.html) are written to --out, or with --run-dir to the
-run dir; without either no file is written.
+run's memory/ folder, over the report the run wrote there; without either no file is written.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def parse(argv: list[str]):
     ap.add_argument(
         "--out",
         help="write the report here as Markdown and HTML: a folder, or a path ending in "
-        ".md/.html (default: the --run-dir, else no file)",
+        ".md/.html (default: the --run-dir's memory/, else no file)",
     )
     ap.add_argument("--json", action="store_true", help="print the figures as JSON too")
     return ap.parse_known_args(argv)
@@ -240,7 +240,7 @@ def run(args, rest: list[str]) -> int:
 
     title = f"Memory per rank of {cfg.recipe} ({target})"
     rep = Report(title, summary_rows(cfg, target), [e for e, _ in entries], notes)
-    out = args.out or args.run_dir
+    out = args.out or (args.run_dir and os.path.join(args.run_dir, "memory"))
     if out:
         md, page = write(rep, out)
         print(f"report: {md}\n        {page}")
