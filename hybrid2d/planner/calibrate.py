@@ -54,9 +54,10 @@ from hybrid2d.comm_report import analytic_step
 from hybrid2d.config import ConfigError, JobConfig, ModelConfig
 from hybrid2d.models.llama import DecoderLayer, Llama
 from hybrid2d.parallel.sequence_comm import all_gather_dim0
+from hybrid2d.planner import hardware as hwlib
 from hybrid2d.planner import model as cost
 from hybrid2d.planner import ops
-from hybrid2d.planner.hardware import KINDS, PRESETS, Hardware, Link, cpu_guess, get, ring_factor
+from hybrid2d.planner.hardware import KINDS, Hardware, Link, ring_factor
 
 # Keeps a CPU calibration short: token counts above this are measured at this many tokens
 # (rates flatten well before), and each figure is timed for about MIN_TIME_S.
@@ -752,7 +753,7 @@ def profile_from(raw: dict, cfg: JobConfig, device: str, base: Hardware | None) 
     """The measurements as a Hardware profile (links not measured come from `base`)."""
     cores = os.cpu_count() or 1
     if device == "cpu":
-        base = base or cpu_guess()
+        base = base or hwlib.cpu_guess()
         best = max(r[2] for r in raw["matmul_table"])
         hw = dataclasses.replace(
             base,
@@ -773,9 +774,7 @@ def profile_from(raw: dict, cfg: JobConfig, device: str, base: Hardware | None) 
         )
     else:
         if base is None:
-            name = torch.cuda.get_device_name().lower()
-            key = next((k for k in PRESETS if k.split("-")[0] in name), "h100")
-            base = get(key)
+            base = hwlib.get(hwlib.preset_for_device(torch.cuda.get_device_name()) or "h100")
         hw = dataclasses.replace(
             base,
             name=f"{base.name}-calibrated",

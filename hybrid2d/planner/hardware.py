@@ -450,6 +450,11 @@ def cpu_guess() -> Hardware:
     )
 
 
+def preset_for_device(device_name: str) -> str | None:
+    """The preset of the GPU a CUDA device name names ("NVIDIA H100 80GB HBM3": h100), or None."""
+    return next((key for key in PRESETS if key.split("-")[0] in device_name.lower()), None)
+
+
 def names() -> list[str]:
     return [*PRESETS, "cpu"]
 

@@ -15,8 +15,6 @@ from hybrid2d.planner.model import PLANNED, Candidate, predict
 from hybrid2d.planner.search import best_plan
 from hybrid2d.profiling.estimate import MeshShape
 
-_GPU_NAMES = (("H200", "h200"), ("H100", "h100"), ("B200", "b200"), ("A100", "a100-80gb"))
-
 
 def profile_for(setting: str, device_type: str) -> Hardware:
     """parallel.plan_hardware: a preset name, a profile JSON file (tools/plan.py --calibrate),
@@ -29,7 +27,7 @@ def profile_for(setting: str, device_type: str) -> Hardware:
     if device_type != "cuda":
         return profiles.get("cpu")
     name = torch.cuda.get_device_name()
-    preset = next((p for key, p in _GPU_NAMES if key in name), None)
+    preset = profiles.preset_for_device(name)
     hw = profiles.get(preset or "h100")
     hw.memory_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     if preset is None:  # said in the plan line (guess_note), not silently taken for an H100
