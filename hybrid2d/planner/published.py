@@ -109,9 +109,6 @@ class Published:
     model_changes: dict = field(default_factory=dict)  # where the model is not the recipe's
     peak_range: tuple = ()  # other peak FLOP/s the published machine may have had
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 # torchtitan's 2024 A100 table: 8 DGX-class hosts, 8-way FSDP each; no memory figures.
 _A100_64 = {"gpu": "a100-80gb", "nodes": 8, "dp_shard": 64}

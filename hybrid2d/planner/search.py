@@ -8,7 +8,6 @@ vocab, a batch that does not split) is rejected with the reason, once per mesh.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from hybrid2d.config import ConfigError, JobConfig
@@ -32,9 +31,6 @@ class Rejected:
     dp_shard: int
     tp: int
     reason: str
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 @dataclass
