@@ -217,25 +217,16 @@ def unit_bytes(m: ModelConfig, dp_shard: int, tp: int, elt: int) -> tuple[int, i
     return block, one["fsdp_reduce_scatter"][1] - block
 
 
-def local_params(m: ModelConfig, mesh: MeshShape) -> int:
-    """Parameters rank 0 updates (its FSDP shard of its TP slice; rank 0 has the largest)."""
-    return _local_params(_key(m), mesh.tp, mesh.dp_shard)
-
-
 def _key(m: ModelConfig) -> tuple:
     return tuple(sorted(dataclasses.asdict(m).items()))
 
 
 @functools.lru_cache(maxsize=256)
 def _local_params(key: tuple, tp: int, dp_shard: int) -> int:
+    """Parameters rank 0 updates (its FSDP shard of its TP slice; rank 0 has the largest) of the
+    model `_key` gave (cached: the search asks for every candidate)."""
     m = ModelConfig(**dict(key))
     return sum(fsdp_shard(tp_local_shape(p, tp), dp_shard, 0)[1] for p in model_params(m))
-
-
-@functools.lru_cache(maxsize=256)
-def _tp_local_numel(key: tuple, tp: int) -> int:
-    m = ModelConfig(**dict(key))
-    return sum(math.prod(tp_local_shape(i, tp)) for i in model_params(m))
 
 
 def group_inside_node(span: int, gpus_per_node: int) -> bool:
@@ -370,7 +361,7 @@ def predict_valid(
         if Sh > 1:
             unit_shard = [block_rs / Sh, root_rs / Sh]
         else:  # replicate only: whole gradients
-            full = _tp_local_numel(_key(m), T) * 4
+            full = _local_params(_key(m), T, 1) * 4
             unit_shard = [full / (m.n_layers + 1)] * 2
         ar_count = (m.n_layers + 1) * syncs
         ar_bytes = (m.n_layers * unit_shard[0] + unit_shard[1]) * syncs
@@ -448,7 +439,7 @@ def predict_valid(
     fsdp_exposed += fsdp_hooks_s
 
     # ---- optimizer ----------------------------------------------------------------------------
-    n_params = local_params(m, mesh)
+    n_params = _local_params(_key(m), T, Sh)
     # AdamW: read p, g, m, v and write p, m, v (fp32); SGD: read p, g, write p; clipping reads
     # the gradients for the norm and scales them in place.
     per_param = (28 if t.optimizer == "adamw" else 12) + 12
