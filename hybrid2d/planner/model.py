@@ -308,9 +308,10 @@ def predict_valid(
     N = b * S
     ranks_on_host = min(W, G)
     share = hw.host_share(ranks_on_host)  # CPU: cores per rank (per calibrated core); GPU: 1
-    # What the host-run parts are slowed by: a rank with less than a core waits for one.
-    slow = min(1.0, share)
-    comm_scale = 1.0 / slow
+    # The part of a core a rank gets, at most one: what the host runs takes 1 / this as long (a
+    # rank with less than a core waits for one).
+    core_part = min(1.0, share)
+    comm_scale = 1.0 / core_part
 
     # ---- compute ----------------------------------------------------------------------------
     f = flops(m, S, p.activation_checkpoint, T)
@@ -382,9 +383,9 @@ def predict_valid(
     elementwise_s = elem_bytes / bandwidth
     # Calibrated: what checkpointing costs beyond its recompute (one core's seconds per block).
     overhead = hw.checkpoint_overhead_s.get(p.activation_checkpoint, 0.0)
-    checkpoint_s = overhead * m.n_layers * n_micro / slow
+    checkpoint_s = overhead * m.n_layers * n_micro / core_part
     # Calibrated: what a whole block takes beyond the pieces above (fixed + per token).
-    block_residual_s = hw.residual_per_block(N, T) * m.n_layers * n_micro / slow
+    block_residual_s = hw.residual_per_block(N, T) * m.n_layers * n_micro / core_part
     # Per-op CPU cost of eager PyTorch: ops dispatched in the step x seconds per op. CPU: the
     # rank's thread runs it between kernels; GPU: the host runs ahead, so only what exceeds the
     # kernels' time is exposed.
@@ -392,7 +393,7 @@ def predict_valid(
         m, p.activation_checkpoint, n_micro, tp_count, ag_count, rs_count, len(model_params(m))
     )
     n_ops = sum(op_counts.values())
-    dispatch_total = n_ops * hw.op_overhead_s / slow
+    dispatch_total = n_ops * hw.op_overhead_s / core_part
     kernels_s = matmul_s + attention_s + elementwise_s + checkpoint_s + block_residual_s
     dispatch_s = dispatch_total if hw.host_cores else max(0.0, dispatch_total - kernels_s)
     compute_s = kernels_s + dispatch_s
