@@ -16,6 +16,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hybrid2d import recipes  # noqa: E402
+from hybrid2d.cli import run_and_exit  # noqa: E402
 from hybrid2d.config import ConfigError, apply_overrides, describe, print_help  # noqa: E402
 from hybrid2d.launcher import check_before_torch  # noqa: E402
 
@@ -87,4 +88,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit(main)

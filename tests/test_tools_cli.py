@@ -4,6 +4,9 @@ bounded by the model's positions. Everything runs in this process (no checkpoint
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -207,3 +210,44 @@ def test_generate_bounds_prompt_and_new_tokens_by_the_model_positions(
     code, out, err = call(capsys, "generate", argv + ["--no-stop", "--json"])
     assert code == 0, err
     assert len(json.loads(out)["ids"]) == POSITIONS - n
+
+
+# ---- run_and_exit: the exit status, the output and later atexit handlers survive the fast exit --
+
+EXITING = """
+import atexit, sys
+from hybrid2d.cli import run_and_exit
+
+def main():
+    atexit.register(lambda: open(sys.argv[2], "w").write("ran"))  # like torch's, registered later
+    print("out", flush=False)
+    print("err", file=sys.stderr, flush=False)
+    if sys.argv[1] == "raise":
+        raise RuntimeError("boom")
+    if sys.argv[1] == "exit":
+        sys.exit(3)
+    return int(sys.argv[1])
+
+run_and_exit(main)
+print("not reached" if sys.argv[1] == "raise" else "after main", flush=False)
+"""
+
+
+@pytest.mark.parametrize("how, status", [("0", 0), ("2", 2), ("exit", 3), ("raise", 1)])
+def test_run_and_exit_keeps_status_output_and_atexit_handlers(tmp_path, how, status):
+    script, marker = tmp_path / "script.py", tmp_path / "marker"
+    script.write_text(EXITING)
+    proc = subprocess.run(
+        [sys.executable, str(script), how, str(marker)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
+    assert proc.returncode == status, proc.stderr
+    assert proc.stdout.startswith("out\n") and proc.stderr.startswith("err\n")
+    assert marker.read_text() == "ran"  # a handler registered after run_and_exit's still runs
+    if how == "raise":
+        assert "RuntimeError: boom" in proc.stderr and "not reached" not in proc.stdout
+    elif how != "exit":
+        assert proc.stdout.endswith("after main\n")
