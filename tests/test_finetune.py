@@ -10,11 +10,13 @@ import sys
 import pytest
 import torch
 
-from hybrid2d.checkpoint.hf import adopt_source_model
+from hybrid2d.checkpoint.hf import adopt_source_model, load_pretrained
 from hybrid2d.checkpoint.hf_convert import convert_hf_to_dcp
+from hybrid2d.checkpoint.reader import iter_model_tensors
 from hybrid2d.config import ConfigError, JobConfig
 from hybrid2d.data import build_data
 from hybrid2d.data.tokenizer import describe_tokenizer
+from hybrid2d.models.llama import Llama
 from tests.launch import REPO, check_ok, launcher_env, run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -253,11 +255,21 @@ def test_instruction_run_with_validation_reports_everywhere(chat_dirs, tmp_path)
     assert [e.step for e in acc.Scalars("val/loss")] == [2, 4]
     step = tmp_path / "run" / "checkpoints" / "step-0000004"
     assert (step / "tokenizer_config.json").is_file()  # generate --chat works from it
-    # init_from a training checkpoint: its shape and its tokenizer.json.
-    cfg = JobConfig(recipe="test")
-    cfg.checkpoint.init_from = f"dcp:{step}"
-    adopt_source_model(cfg, set())
-    assert cfg.data.tokenizer == str(step) and cfg.model.vocab_size == 384
+    # init_from a training checkpoint: its shape and its tokenizer.json; the run dir stands for
+    # its latest step. Its weights are the step's (a training checkpoint also holds non-tensor
+    # entries, which once crashed the sliced load).
+    for source in (step, tmp_path / "run"):
+        cfg = JobConfig(recipe="test")
+        cfg.checkpoint.init_from = f"dcp:{source}"
+        adopt_source_model(cfg, set())
+        assert cfg.data.tokenizer == str(step) and cfg.model.vocab_size == 384
+        model = Llama(cfg.model)
+        load_pretrained(model, cfg.checkpoint.init_from)
+        saved = dict(iter_model_tensors(step))
+        params = dict(model.named_parameters())
+        assert params and params.keys() <= saved.keys()
+        for name, param in params.items():
+            assert torch.equal(param, saved[name]), name
 
 
 def test_init_from_a_path_that_is_no_checkpoint_names_the_setting(tmp_path):

@@ -206,14 +206,15 @@ def test_dcp_layout_is_that_of_training_checkpoints(dcp_dirs, case):
 
 
 def test_training_checkpoint_loads_model_entry_only(hf_dirs, tmp_path):
-    """A training step dir has "optimizer" and "trainer" entries too; dcp: reads "model"."""
+    """A training step dir has "optimizer" and "trainer" entries too, non-tensor ones among
+    them (stored as bytes, with no offset); dcp: reads "model"."""
     import torch.distributed.checkpoint as dcp
 
     path, model = hf_dirs["gqa-llama3"]
     sd = model.state_dict()
     state = {
         "model": sd,
-        "optimizer": {"state": {"x": torch.ones(3)}},
+        "optimizer": {"state": {"x": torch.ones(3)}, "param_groups": [{"lr": 3e-4}]},
         "trainer": {"step": torch.tensor(7)},
     }
     step_dir = str(tmp_path / "step-00000007")

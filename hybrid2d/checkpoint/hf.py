@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.tensor import DTensor
 
 from hybrid2d.checkpoint.hf_safetensors import CheckpointError, HFCheckpoint, load_json
+from hybrid2d.checkpoint.layout import METADATA, resolve_dir
 from hybrid2d.checkpoint.reader import (
     expected_model_shapes,
     model_entries,
@@ -269,7 +270,11 @@ def parse_init_from(spec: str) -> tuple[str, str]:
             f"checkpoint.init_from={spec!r} is not 'hf:PATH' (a Hugging Face model directory) "
             "or 'dcp:PATH' (a DCP checkpoint directory)"
         )
-    return kind, os.path.expanduser(path)
+    path = os.path.expanduser(path)
+    if kind == "dcp" and os.path.isdir(path) and not os.path.isfile(os.path.join(path, METADATA)):
+        # A run dir (or its checkpoints/) stands for its latest checkpoint, as for resume.
+        path = str(resolve_dir(Path(path), "checkpoint.init_from", spec))
+    return kind, path
 
 
 def local_block(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -383,7 +388,11 @@ def load_dcp(model: nn.Module, path: str, source: str | None = None) -> LoadRepo
             dcp.load({"model": params}, storage_reader=dcp.FileSystemReader(path), no_dist=no_dist)
         return _fill_blocks(model, source, start, total, lambda *_: 0)  # dcp.load filled them
     keys = model_keys(md)
-    storage = {(i.fqn, tuple(i.offset)): info for i, info in md.storage_data.items()}
+    storage = {  # non-tensor entries (a training checkpoint's lr, ...) have no offset
+        (i.fqn, tuple(i.offset)): info
+        for i, info in md.storage_data.items()
+        if i.offset is not None
+    }
     files = {}
 
     def read_into(name: str, offsets, sizes, out: torch.Tensor) -> int:
