@@ -128,6 +128,32 @@ def test_loss_only_on_assistant_turns_and_completion(tok_dirs, tmp_path):
     assert ds.stats.loss_tokens == int(ds.targets[:, 1:].sum())
 
 
+def test_prompt_completion_starts_with_the_bos_inference_puts_before_a_prompt(tok_dirs, tmp_path):
+    """A tokenizer whose post-processor adds a BOS (Llama, Mistral): transformers' tokenizer call
+    and tools/generate.py put it before a prompt, so a training sample starts with it too; with
+    an empty prompt the completion's first token is then learnt after it."""
+    from tokenizers.processors import TemplateProcessing
+
+    tok = Tokenizer.from_file(str(tok_dirs["chatml"] / "tokenizer.json"))
+    bos = "<|im_start|>"
+    tok.post_processor = TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))]
+    )
+    records = [{"prompt": "Q: 6 x 7? A:", "completion": " 42"}, {"prompt": "", "completion": "42"}]
+    ds = build_instruction_arrays([write_lines(tmp_path / "a.jsonl", records)], tok, None, 64)
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok)
+    for i, r in enumerate(records):
+        reference = hf(r["prompt"])["input_ids"]  # what inference encodes
+        assert reference[0] == tok.token_to_id(bos)
+        assert ds.ids[i][: len(reference)].tolist() == reference
+        assert not ds.targets[i][: len(reference)].any() and ds.targets[i][len(reference)]
+        assert loss_text(tok, ds, i) == r["completion"] + "<|endoftext|>"
+    # Without a post-processor nothing is added: the chatml tokenizer's samples start at the text.
+    plain = Tokenizer.from_file(str(tok_dirs["chatml"] / "tokenizer.json"))
+    ds = build_instruction_arrays([tmp_path / "a.jsonl"], plain, None, 64)
+    assert ds.ids[0][0] == plain.encode("Q").ids[0]
+
+
 def test_truncation_is_counted(tok_dirs, tmp_path):
     d = tok_dirs["chatml"]
     tok = Tokenizer.from_file(str(d / "tokenizer.json"))

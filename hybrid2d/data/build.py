@@ -125,7 +125,7 @@ def _instruct_cache(
     build: bool,
 ) -> InstructionDataset:  # fmt: skip
     key = cache_key(
-        "instruct-v2",  # v2: per-sample loss-token counts and truncation flags
+        "instruct-v3",  # v3: prompt/completion samples start with the tokenizer's BOS
         corpus_identity(d),
         tokenizer_hash(tok),
         template.source if template is not None else "",

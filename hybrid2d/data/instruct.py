@@ -1,7 +1,8 @@
 """Instruction data: `.jsonl` lines of prompt/completion or chat messages, one sample each, with
 the loss only on what the model should learn to write.
 
-A line is `{"prompt": str, "completion": str}` (the sample is prompt + completion + EOS; the
+A line is `{"prompt": str, "completion": str}` (the sample is the tokenizer's BOS where its
+post-processor adds one, as inference does before a prompt, + prompt + completion + EOS; the
 loss counts the completion and the EOS) or `{"messages": [{"role", "content"}, ...]}` (rendered
 with the tokenizer's chat template, hybrid2d/data/chat.py; the loss counts the assistant turns,
 up to and including the template's end-of-turn marker). Where an assistant turn is in the text
@@ -36,7 +37,7 @@ from tokenizers import Tokenizer
 from hybrid2d.config import ConfigError
 from hybrid2d.data.chat import ChatTemplate, TemplateRenderError
 from hybrid2d.data.corpus import INSTRUCTION_KEYS, not_utf8
-from hybrid2d.data.tokenizer import eos_id, special_tokens_as_text
+from hybrid2d.data.tokenizer import eos_id, leading_special_ids, special_tokens_as_text
 
 IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant", "tool")
@@ -190,8 +191,16 @@ def chat_sample(template: ChatTemplate, messages: list[dict], where: str):
     return text, spans
 
 
-def encode_record(record, tok: Tokenizer, template: ChatTemplate | None, where: str, eos: int):
-    """(token ids, loss mask) of one line's record."""
+def encode_record(
+    record,
+    tok: Tokenizer,
+    template: ChatTemplate | None,
+    where: str,
+    eos: int,
+    bos: list[int] | tuple[int, ...] = (),
+):
+    """(token ids, loss mask) of one line's record; `bos` (leading_special_ids) starts a
+    prompt/completion sample (a chat template writes its own)."""
     if not isinstance(record, dict):
         raise _bad(where, "expected a JSON object with prompt/completion or messages")
     if "messages" in record:
@@ -214,7 +223,7 @@ def encode_record(record, tok: Tokenizer, template: ChatTemplate | None, where: 
         if not completion:
             raise _bad(where, "has no loss tokens (an empty completion)")
         with special_tokens_as_text(tok):
-            p = tok.encode(prompt, add_special_tokens=False).ids if prompt else []
+            p = [*bos, *(tok.encode(prompt, add_special_tokens=False).ids if prompt else [])]
             c = tok.encode(completion, add_special_tokens=False).ids
         return p + c + [eos], [False] * len(p) + [True] * (len(c) + 1)
     raise _bad(where, f"has neither prompt/completion nor messages (keys: {sorted(record)})")
@@ -228,7 +237,7 @@ def build_instruction_arrays(
     setting: str = "data.path",
 ) -> InstructionDataset:
     """Every line of the files as a padded sample (see the module doc)."""
-    eos = eos_id(tok)
+    eos, bos = eos_id(tok), leading_special_ids(tok)
     rows, masks, loss_counts, cut = [], [], [], []
     stats = InstructStats()
     first: str | None = None  # where the first instruction line is, for the mixed-format error
@@ -254,7 +263,7 @@ def build_instruction_arrays(
                         "put text and instruction lines in separate files",
                     )
                 first = first or f"{path}:{lineno}"
-                ids, mask = encode_record(record, tok, template, where, eos)
+                ids, mask = encode_record(record, tok, template, where, eos, bos)
                 if not any(mask[1:]):  # the first token is never a label
                     raise _bad(where, "has no loss tokens (no completion / assistant text)")
                 truncated = len(ids) > seq_len + 1

@@ -111,6 +111,18 @@ def eos_id(tok: Tokenizer) -> int:
     )
 
 
+def leading_special_ids(tok: Tokenizer) -> list[int]:
+    """The ids the tokenizer's post-processor puts before a text: Llama's and Mistral's BOS,
+    which inference (tools/generate.py's prompt, transformers' tokenizer call) puts before a
+    prompt; [] for tokenizers without one."""
+    plain = tok.encode("a", add_special_tokens=False).ids
+    full = tok.encode("a", add_special_tokens=True).ids
+    for start in range(len(full) - len(plain) + 1):
+        if full[start : start + len(plain)] == plain:
+            return full[:start]
+    return []
+
+
 @contextlib.contextmanager
 def special_tokens_as_text(tok: Tokenizer):
     """Encode text that spells a special token ("<|endoftext|>" inside a document) as text: it
