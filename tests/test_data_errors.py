@@ -168,6 +168,18 @@ def test_instruction_data_forced_to_text_says_so(tmp_path):
     one_line(e, f"{f}:1 is instruction data (completion/prompt)", "data.format=text", "instruct")
 
 
+def test_a_folder_of_jsonl_and_txt_says_why_auto_read_it_as_text(tok_dir, tmp_path):
+    """The .txt file made it text, not the first file (which is instruction data)."""
+    d = tmp_path / "mixed"
+    d.mkdir()
+    (d / "a.jsonl").write_text(json.dumps(GOOD) + "\n")
+    (d / "notes.txt").write_text("some text\n")
+    with pytest.raises(ConfigError) as e:  # said: took data.path for text by its first file
+        build_run_data(job(tmp_path, tok_dir, path=str(d)), 0, 1, True, lambda: None)
+    msg = one_line(e, f"{d / 'a.jsonl'}:1 is instruction data", "all its files are .jsonl")
+    assert "by its first file" not in msg, msg
+
+
 # ---- data figures with data.val_fraction -------------------------------------------------------
 
 

@@ -223,10 +223,10 @@ def _instruction_among_text(
         )
     if cfg.format == "text":
         fix = "use data.format auto or instruct"
-    else:  # auto, where an earlier file without documents made the data text
+    else:  # auto, where a file that is not .jsonl, or a first file of text, made it text
         fix = (
-            f"data.format=auto took {setting} for text by its first file; point {setting} at "
-            "one kind"
+            f"data.format=auto reads {setting} as instruction data only when all its files are "
+            f".jsonl and the first is instruction data; point {setting} at one kind"
         )
     return ConfigError(
         f"{setting}={cfg.path!r}: {what} but data.format={cfg.format} reads it as text "
