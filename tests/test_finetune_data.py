@@ -154,6 +154,44 @@ def test_prompt_completion_starts_with_the_bos_inference_puts_before_a_prompt(to
     assert ds.ids[0][0] == plain.encode("Q").ids[0]
 
 
+def sentencepiece_style_tokenizer() -> Tokenizer:
+    """A BPE like Llama 2's / Mistral's tokenizer.json: words learnt with their leading "▁",
+    then the legacy normalizer ("▁" prepended, spaces as "▁") and no pre-tokenizer."""
+    from tokenizers import models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    trainer = trainers.BpeTrainer(
+        vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
+    )
+    sums = [f"What is {a} + {b}? {a} + {b} = {a + b}." for a in range(30) for b in range(9)]
+    tok.train_from_iterator(sums, trainer=trainer)
+    tok.pre_tokenizer = None
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    return tok
+
+
+def test_a_completion_continues_the_prompt_as_one_text_would(tmp_path):
+    """A SentencePiece-style tokenizer gives a text encoded alone a leading "▁": a completion
+    " 12 + 4" encoded alone read as two spaces after the prompt. Now the sample's text tokens
+    are those transformers gives prompt + completion, and its prompt tokens those inference
+    gives the prompt."""
+    tok = sentencepiece_style_tokenizer()
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok)
+    records = [
+        {"prompt": "What is 12 + 4?", "completion": " 12 + 4 = 16."},
+        {"prompt": "What is 5 + 3?", "completion": "5 + 3 = 8."},  # the text has no space
+    ]
+    ds = build_instruction_arrays([write_lines(tmp_path / "a.jsonl", records)], tok, None, 64)
+    for i, r in enumerate(records):
+        text = hf(r["prompt"] + r["completion"], add_special_tokens=False)["input_ids"]
+        prompt = hf(r["prompt"], add_special_tokens=False)["input_ids"]
+        assert ds.ids[i][: len(text)].tolist() == text and text[: len(prompt)] == prompt
+        assert ds.ids[i][len(text)] == tok.token_to_id("</s>")
+        assert ds.targets[i][len(prompt) : len(text) + 1].all()
+        assert not ds.targets[i][: len(prompt)].any()
+
+
 def test_truncation_is_counted(tok_dirs, tmp_path):
     d = tok_dirs["chatml"]
     tok = Tokenizer.from_file(str(d / "tokenizer.json"))

@@ -2,12 +2,13 @@
 the loss only on what the model should learn to write.
 
 A line is `{"prompt": str, "completion": str}` (the sample is the tokenizer's BOS where its
-post-processor adds one, as inference does before a prompt, + prompt + completion + EOS; the
-loss counts the completion and the EOS) or `{"messages": [{"role", "content"}, ...]}` (rendered
-with the tokenizer's chat template, hybrid2d/data/chat.py; the loss counts the assistant turns,
-up to and including the template's end-of-turn marker). Where an assistant turn is in the text
-is found by rendering the conversation up to it with the generation prompt and up to its end:
-the turn is what the second adds to the first. Tokens are labelled by their character offsets.
+post-processor adds one, as inference does before a prompt, + prompt + completion + EOS, the
+completion tokenized as it continues the prompt; the loss counts the completion and the EOS) or
+`{"messages": [{"role", "content"}, ...]}` (rendered with the tokenizer's chat template,
+hybrid2d/data/chat.py; the loss counts the assistant turns, up to and including the template's
+end-of-turn marker). Where an assistant turn is in the text is found by rendering the
+conversation up to it with the generation prompt and up to its end: the turn is what the second
+adds to the first. Tokens are labelled by their character offsets.
 
 Samples are not packed: each is one row of train.seq_len positions (padded when gathered; the
 cache holds one flat token array, memory-mapped by every rank), padded with labels -100
@@ -223,10 +224,25 @@ def encode_record(
         if not completion:
             raise _bad(where, "has no loss tokens (an empty completion)")
         with special_tokens_as_text(tok):
-            p = [*bos, *(tok.encode(prompt, add_special_tokens=False).ids if prompt else [])]
-            c = tok.encode(completion, add_special_tokens=False).ids
+            p = tok.encode(prompt, add_special_tokens=False).ids if prompt else []
+            c = _continuation(tok, prompt, p, completion)
+        p = [*bos, *p]
         return p + c + [eos], [False] * len(p) + [True] * (len(c) + 1)
     raise _bad(where, f"has neither prompt/completion nor messages (keys: {sorted(record)})")
+
+
+def _continuation(tok: Tokenizer, prompt: str, prompt_ids: list[int], completion: str) -> list:
+    """The completion's tokens as they follow the prompt in one text: a SentencePiece-style
+    tokenizer gives a text encoded alone a leading "▁", which after the prompt would read as
+    one space too many. Where the tokens of prompt + completion do not start with the prompt's
+    own (a token spans the boundary: inference would see the prompt's), the completion is
+    encoded alone."""
+    if prompt:
+        joint = tok.encode(prompt + completion, add_special_tokens=False)
+        k = len(prompt_ids)
+        if joint.ids[:k] == prompt_ids and all(lo >= len(prompt) for lo, _ in joint.offsets[k:]):
+            return joint.ids[k:]
+    return tok.encode(completion, add_special_tokens=False).ids
 
 
 def build_instruction_arrays(
