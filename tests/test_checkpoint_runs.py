@@ -248,6 +248,20 @@ def test_resume_with_another_lr_and_length_trains_at_the_new_schedule(crashed, c
         assert shown == pytest.approx(1e-3 * lr_multiplier(step - 1, new), rel=6e-3), line
 
 
+def test_a_resume_whose_data_settings_train_another_tokenizer_is_refused(crashed, cache, tmp_path):
+    """Another data.max_chars trains another BPE: the checkpoint's token ids would stand for other
+    text. It resumed silently (a 'settings changed' line); now it is refused, and the checkpoint's
+    own tokenizer.json, named in the error, resumes."""
+    step = layout.final_dir(crashed[0], 10)
+    args = args_for(cache, tmp_path / "run", dp=1, tp=1, resume=str(step))
+    args += ["--train.steps", "11", "--checkpoint.save_final", "false"]
+    other = ["--data.max_chars", str(int(TINY["data.max_chars"]) // 2)]
+    line = one_error_line(train(1, args + other, ok=False)[0])
+    assert "another tokenizer" in line and f"--data.tokenizer {step}" in line, line
+    out = train(1, args + other + ["--data.tokenizer", str(step)])[0].stdout
+    assert f"resumed from {step} at step 10" in out, out
+
+
 # ---- bad checkpoints -------------------------------------------------------------------------
 
 

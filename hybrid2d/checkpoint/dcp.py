@@ -402,6 +402,19 @@ class Checkpointer:
                         f"with --train.optimizer {saved.train.optimizer}"
                     )
                 raise ConfigError(f"checkpoint {path} does not fit this run: {problem}{hint}")
+            saved_tokenizer = path / layout.TOKENIZER
+            if (
+                self.tokenizer_json is not None
+                and saved_tokenizer.is_file()
+                and saved_tokenizer.read_text() != self.tokenizer_json
+            ):
+                given = self.cfg.data.tokenizer or "'' (a BPE trained on data.path)"
+                raise ConfigError(
+                    f"checkpoint {path} was trained with another tokenizer than this launch's "
+                    f"(data.tokenizer={given}): its token ids would stand for other text; resume "
+                    "with the data settings it was trained with, or --data.tokenizer "
+                    f"{path} (its tokenizer.json)"
+                )
 
         _, error = _checked(check)
         agree(error)
