@@ -386,6 +386,11 @@ class JobConfig:
                 )
         if m.dim % m.n_heads:
             raise ConfigError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
+        if m.head_dim % 2:
+            raise ConfigError(
+                f"model.dim / model.n_heads = {m.dim} / {m.n_heads} = {m.head_dim}, an odd head "
+                "size; RoPE rotates pairs of channels, use an even one"
+            )
         if m.n_heads % m.n_kv_heads:
             raise ConfigError(
                 f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}"

@@ -55,6 +55,7 @@ def error_line(proc) -> str:
             "model.n_kv_heads",
         ),
         (["--parallel.tp", "2", "--model.ffn_dim", "689"], 2, "model.ffn_dim"),
+        (["--model.dim", "24", "--model.n_heads", "8"], 1, "odd head size"),
         (["--parallel.tp", "2", "--model.vocab_size", "4095"], 2, "model.vocab_size"),
         (["--parallel.tp", "2", "--train.seq_len", "255"], 2, "train.seq_len"),
         (["--train.global_batch", "6"], 4, "train.global_batch"),
