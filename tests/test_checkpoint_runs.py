@@ -258,8 +258,11 @@ def test_a_resume_whose_data_settings_train_another_tokenizer_is_refused(crashed
     other = ["--data.max_chars", str(int(TINY["data.max_chars"]) // 2)]
     line = one_error_line(train(1, args + other, ok=False)[0])
     assert "another tokenizer" in line and f"--data.tokenizer {step}" in line, line
-    out = train(1, args + other + ["--data.tokenizer", str(step)])[0].stdout
+    # A stop_after behind the resumed step cannot stop this run: said, not silently passed by.
+    fixed = ["--data.tokenizer", str(step), "--checkpoint.stop_after", "5"]
+    out = train(1, args + other + fixed)[0].stdout
     assert f"resumed from {step} at step 10" in out, out
+    assert "checkpoint.stop_after=5 is not after the resumed step 10" in out, out
 
 
 # ---- bad checkpoints -------------------------------------------------------------------------

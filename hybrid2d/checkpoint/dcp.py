@@ -433,6 +433,13 @@ class Checkpointer:
         if t.step >= self.cfg.train.steps:
             raise ConfigError(_finished(path, t.step, self.cfg.train.steps))
         print0(f"resumed from {path} at step {t.step} ({time.perf_counter() - start:.2f} s)")
+        stop_after = self.cfg.checkpoint.stop_after
+        if stop_after and stop_after <= t.step:
+            print0(
+                f"note: checkpoint.stop_after={stop_after} is not after the resumed step {t.step}, "
+                f"so this run goes on to train.steps={self.cfg.train.steps}; give a later step "
+                "to stop early again"
+            )
         changed = changed_since(read_config(path), self.cfg)
         if changed:
             print0(f"resumed with settings changed since that checkpoint: {', '.join(changed)}")
