@@ -126,16 +126,37 @@ def tp_locality_warning(tp: int) -> str | None:
     return None
 
 
-def build_mesh(device_type: str, dp_replicate: int, dp_shard: int, tp: int) -> Mesh:
+def group_options(timeout_s: int):
+    """Options that give the groups DeviceMesh creates the run's timeout: without them they
+    take torch's default (30 min for gloo and shared memory, 10 for nccl), not the default
+    group's, and a stopped peer held the others far past parallel.timeout_s. `_timeout` is the
+    field torch's own new_group reads; torch has no public options constructor for it."""
+    timeout = timedelta(seconds=timeout_s)
+    backend = dist.get_backend()
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return backend, options
+    return backend, torch._C._distributed_c10d.Backend.Options(backend, timeout)
+
+
+def build_mesh(
+    device_type: str, dp_replicate: int, dp_shard: int, tp: int, timeout_s: int | None = None
+) -> Mesh:
+    """The (dp_replicate, dp_shard, tp) mesh; its groups time out after timeout_s (None:
+    torch's defaults)."""
     message = tp_locality_warning(tp)
     if message:  # one line from rank 0, not a UserWarning with its source line from every rank
         print0(f"warning: {message}", file=sys.stderr)
+    names = ("dp_replicate", "dp_shard", "tp")
+    options = None if timeout_s is None else group_options(timeout_s)
     mesh = init_device_mesh(
         device_type,
         (dp_replicate, dp_shard, tp),
-        mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
+        mesh_dim_names=names,
+        backend_override=None if options is None else dict.fromkeys(names, options),
     )
-    flat_dp = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    flat_dp = mesh["dp_replicate", "dp_shard"]._flatten("dp", backend_override=options)
     device = (
         torch.device(device_type, torch.cuda.current_device())
         if device_type == "cuda"

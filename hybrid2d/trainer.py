@@ -260,7 +260,7 @@ def run(cfg: JobConfig, set_on_cli: frozenset[str] | set[str] = frozenset()) -> 
         settings = cfg.to_dict()
         settings["data"].pop("cache_dir")
         agree_on_settings(settings)
-        mesh = build_mesh(device_type, dp_rep, dp_shard, tp)
+        mesh = build_mesh(device_type, dp_rep, dp_shard, tp, cfg.parallel.timeout_s)
         if plan_line:
             print0(plan_line)
         plan = planned(cfg, mesh, hw, per_node)

@@ -13,6 +13,7 @@ barrier, and rank 1 lasted until torchrun's SIGKILL after its 30 s grace). The i
 below leaves 15 s for a more loaded machine.
 """
 
+import json
 import os
 import re
 import signal
@@ -22,7 +23,7 @@ import time
 
 import pytest
 
-from tests.launch import REPO, launcher_env, torchrun
+from tests.launch import REPO, launcher_env, run_ranks, torchrun
 from tests.test_faults import SMALL
 
 pytestmark = pytest.mark.slow
@@ -133,3 +134,14 @@ def test_the_hung_rank_says_why_it_exits(hung_job):
     _, _, err, _ = hung_job
     line = f"rank 1: got SIGTERM but step 3 did not finish within {TIMEOUT_S} s; exiting"
     assert line in err.splitlines(), err[-3000:]
+
+
+@pytest.mark.parametrize("setting", ["on", "off"], ids=["shm", "gloo"])
+def test_the_mesh_groups_time_out_after_timeout_s(setting):
+    """The groups DeviceMesh creates took torch's 30 min default, not parallel.timeout_s: on a
+    2x2 mesh a stopped rank held its tp peer (and so the job) far past timeout_s."""
+    results = run_ranks(4, ["tests/workers/mesh_timeout.py", setting, "3"], timeout=120)
+    out = results[3].stdout.strip().splitlines()
+    assert out, results[3].stderr[-2000:]
+    seconds = json.loads(out[-1])["seconds"]
+    assert seconds is not None and 2.5 < seconds < 10, seconds  # rank 2 leaves at 11 s
