@@ -711,6 +711,21 @@ def test_bad_arguments_are_one_line_and_exit_2(argv, message, capsys):
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
 
 
+def test_output_files_that_cannot_be_written_are_one_line_before_the_work(tmp_path, capsys):
+    """A folder, or a path in a folder nothing can be created in, was a traceback after the
+    planning; an existing file is left as it is until the tool writes it."""
+    plan_tool = load_tool("plan")
+    argv = ["--recipe", "llama-debug", "--nodes", "1", "--gpus-per-node", "4", "--gpu", "h100"]
+    for target, says in ((tmp_path, "is a folder"), ("/proc/nope.yaml", "cannot be written")):
+        assert plan_tool.main([*argv, "--emit-accelerate-config", str(target)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and says in err[0], err
+    kept = tmp_path / "kept.json"
+    kept.write_text("old")
+    assert plan_tool.main([*argv, "--json", str(kept), "--top", "1"]) == 0
+    assert kept.read_text() != "old" and not list(tmp_path.glob("nope*"))
+
+
 def test_no_valid_mesh_says_why_rather_than_nothing_fits(capsys):
     """3 GPUs split neither 32 heads nor a batch of 64: the planner says so (exit 0, nothing
     to launch), not that memory ran out."""

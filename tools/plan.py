@@ -133,11 +133,21 @@ def positive(args, *names: str) -> None:
 
 
 def writable(path: str | None, flag: str) -> None:
+    """A ConfigError now, not a traceback after the work, when `path` cannot be written."""
     if path is None:
         return
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise ConfigError(f"{flag} {path}: folder {folder} does not exist")
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag} {path} is a folder; give a file name")
+    existed = os.path.exists(path)
+    try:
+        open(path, "a").close()  # appends nothing: an existing file is left as it is
+    except OSError as e:
+        raise ConfigError(f"{flag} {path} cannot be written: {e.strerror}") from None
+    if not existed:
+        os.remove(path)
 
 
 def load_hardware(args) -> hwlib.Hardware:
