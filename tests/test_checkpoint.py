@@ -329,3 +329,23 @@ def test_a_resume_names_the_settings_changed_since_its_checkpoint():
         f"train.seq_len {saved.train.seq_len} -> 32",
         "data.path '' -> 'val.jsonl'",
     ]
+
+
+def test_a_failed_save_on_a_nearly_full_filesystem_says_so(tmp_path, monkeypatch):
+    """torch's writer reports a full disk as 'unexpected pos 704 vs 598': the line adds the free
+    space where it is nearly none, and nothing where there is room."""
+    import shutil as shutil_module
+    from collections import namedtuple
+
+    from hybrid2d.checkpoint import dcp as dcp_module
+
+    usage = namedtuple("usage", "total used free")
+    ck = dcp_module.Checkpointer.__new__(dcp_module.Checkpointer)
+    ck.rank = 0
+    error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    tmp = tmp_path / "step-0000004.tmp"
+    for free, said in ((3 << 20, "its filesystem has 3.0 MiB free: full?"), (10 << 30, None)):
+        monkeypatch.setattr(shutil_module, "disk_usage", lambda _, free=free: usage(0, 0, free))
+        line = ck._failure("sync", 4, tmp, error)
+        assert line.startswith("rank 0: sync checkpoint save of step 4 failed: RuntimeError")
+        assert (said in line) if said else ("free" not in line), line

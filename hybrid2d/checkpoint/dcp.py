@@ -346,6 +346,12 @@ class Checkpointer:
         failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: error}
         rank = min(failures) if isinstance(failures, dict) and failures else self.rank
         where = f"publishing {tmp}" if publishing else f"writing {tmp}; nothing was published"
+        try:  # torch's writer reports a full disk as "unexpected pos 704 vs 598"
+            free = shutil.disk_usage(tmp.parent).free
+        except OSError:
+            free = None
+        if free is not None and free < _FULL_BYTES:
+            where += f"; its filesystem has {free / 2**20:.1f} MiB free: full?"
         return f"rank {rank}: {mode} checkpoint save of step {step} failed: {cause(e)} ({where})"
 
     def _exchange(self, value, group) -> list:
@@ -445,6 +451,9 @@ class Checkpointer:
             print0(f"resumed with settings changed since that checkpoint: {', '.join(changed)}")
         return t.step
 
+
+# Free space below which a failed save's line says the filesystem may be full.
+_FULL_BYTES = 64 << 20
 
 # Settings a resume may change without changing what is learnt or from which data.
 _FREE_ON_RESUME = {"train.steps", "train.micro_batch", "train.eval_every", "train.device"}
