@@ -340,3 +340,15 @@ def test_recipe_finetune_then_export_stops_like_generate(tmp_path, capsys):
     assert config == SOURCE_IDS
     assert generation.get("eos_token_id") == [IM_END, END_OF_TEXT]
     assert written_ids(tmp_path / "hf") == (config, generation)
+
+
+def test_a_source_folder_that_holds_no_checkpoint_any_more_is_a_reason_not_an_error(tmp_path):
+    """init_from dcp: resolves a run dir to its latest checkpoint; a folder a checkpoint's history
+    names that holds none now is why no source config is found (an error raised on rank 0
+    alone, building the Checkpointer, would leave the other ranks waiting)."""
+    from hybrid2d.checkpoint.hf_tokens import resolve_source
+    from hybrid2d.config import ModelConfig
+
+    (tmp_path / "gone").mkdir()
+    source, why = resolve_source(f"dcp:{tmp_path / 'gone'}", ModelConfig(), None)
+    assert source is None and "is not a checkpoint directory" in why, why

@@ -160,6 +160,8 @@ def resolve_source(init: str, cfg: ModelConfig, tokenizer: str | None) -> tuple:
             kind, path = parse_init_from(init)
         except CheckpointError:
             return None, f"checkpoint.init_from={init!r} is no 'hf:' or 'dcp:' path"
+        except ConfigError as e:  # a dcp: folder that holds no checkpoint (any more)
+            return None, str(e)
         p = Path(path)
         config = p / ("config.json" if kind == "hf" else HF_CONFIG_COPY)
         generation = p / GENERATION_CONFIG
