@@ -12,13 +12,13 @@ from hybrid2d.config import ConfigError, JobConfig, apply_overrides
 from tests.launch import REPO
 
 
-def run_cli(*args, world=1, local_world=None, timeout=60):
+def run_cli(*args, world=1, local_world=None, timeout=60, python_flags=()):
     env = dict(
         os.environ, WORLD_SIZE=str(world), RANK="0", LOCAL_WORLD_SIZE=str(local_world or world)
     )
     env.pop("MASTER_ADDR", None)
     return subprocess.run(
-        [sys.executable, "recipes/llama.py", *args],
+        [sys.executable, *python_flags, "recipes/llama.py", *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -79,15 +79,7 @@ def test_bad_setting_is_one_line(args, world, expect):
 def test_mesh_errors_come_before_torch_is_imported():
     """A size that does not fit the world fails in the recipe, before torch loads (about 4 s
     of a 4.5 s launch), as settings checked alone do."""
-    env = dict(os.environ, WORLD_SIZE="4", RANK="0", LOCAL_WORLD_SIZE="4")
-    proc = subprocess.run(
-        [sys.executable, "-X", "importtime", "recipes/llama.py", "--parallel.tp", "3"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = run_cli("--parallel.tp", "3", world=4, python_flags=("-X", "importtime"))
     assert "world size 4" in error_line(proc)
     imported = [ln.rsplit("|", 1)[-1].strip() for ln in proc.stderr.splitlines() if "|" in ln]
     assert "hybrid2d.config" in imported and "torch" not in imported
