@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 from hybrid2d.config import ConfigError, JobConfig
+from hybrid2d.layout import RunLayout
 
 # accelerate's --parallelism_config_* flags reach the processes as these variables.
 LAUNCHER_MESH_ENV = {
@@ -25,47 +26,54 @@ def world_from_env() -> tuple[int, int, int, int]:
     return rank, world, local_rank, local_world
 
 
-def _launcher_sizes(set_on_cli: set[str]) -> list[tuple[str, str, str]]:
-    """(variable, parallel field, value) of each mesh size accelerate's launch settings give and
-    the command line does not."""
-    return [
-        (env, name, os.environ[env])
-        for env, name in LAUNCHER_MESH_ENV.items()
-        if os.environ.get(env) and f"parallel.{name}" not in set_on_cli
-    ]
+def launched_mesh_env() -> dict[str, str]:
+    """Each accelerate launch setting of a mesh size that is set: variable -> value."""
+    return {env: os.environ[env] for env in LAUNCHER_MESH_ENV if os.environ.get(env)}
 
 
-def apply_launcher_settings(cfg: JobConfig, set_on_cli: set[str]) -> None:
-    """Take mesh sizes from accelerate's launch settings unless the command line set them."""
-    for env, name, value in _launcher_sizes(set_on_cli):
+def launcher_sizes(set_on_cli: set[str] | frozenset[str]) -> dict[str, int]:
+    """The mesh sizes accelerate's launch settings give and the command line does not
+    (parallel field -> size): the command line wins over the launcher, the launcher over the
+    recipe."""
+    sizes = {}
+    for env, value in launched_mesh_env().items():
+        name = LAUNCHER_MESH_ENV[env]
+        if f"parallel.{name}" in set_on_cli:
+            continue
         try:
-            setattr(cfg.parallel, name, int(value))
+            sizes[name] = int(value)
         except ValueError:
             raise ConfigError(f"{env}={value!r} is not an integer") from None
+    return sizes
 
 
-def launcher_sizes_note(set_on_cli: set[str]) -> str:
+def launcher_sizes_note(set_on_cli: set[str] | frozenset[str]) -> str:
     """'; parallel.dp_shard=2 came from the launcher (PARALLELISM_CONFIG_DP_SHARD_SIZE)', for
-    the mesh sizes apply_launcher_settings took, to end an error about the mesh; '' if none."""
+    the mesh sizes launcher_sizes gives, to end an error about the mesh; '' if none."""
     taken = [
-        f"parallel.{name}={value} came from the launcher ({env})"
-        for env, name, value in _launcher_sizes(set_on_cli)
+        f"parallel.{LAUNCHER_MESH_ENV[env]}={value} came from the launcher ({env})"
+        for env, value in launched_mesh_env().items()
+        if f"parallel.{LAUNCHER_MESH_ENV[env]}" not in set_on_cli
     ]
     return "; " + ", ".join(taken) if taken else ""
 
 
-def validate_for_world(cfg: JobConfig, set_on_cli: set[str]) -> tuple[int, int, int]:
-    """cfg.validate over the launched world: (dp_replicate, dp_shard, tp). An error about the
-    mesh names the sizes the launcher gave, which the user never typed."""
+def layout_for_world(
+    cfg: JobConfig, set_on_cli: set[str] | frozenset[str], world: int | None = None, **choices
+) -> RunLayout:
+    """cfg laid out on the launched world with the launcher's mesh sizes (and `choices`, as
+    RunLayout.build takes them). An error about the mesh names the sizes the launcher gave,
+    which the user never typed."""
+    world = world_from_env()[1] if world is None else world
     try:
-        return cfg.validate(world_from_env()[1])
+        return RunLayout.build(cfg, world, **(launcher_sizes(set_on_cli) | choices))
     except ConfigError as e:
         raise ConfigError(f"{e}{launcher_sizes_note(set_on_cli)}") from None
 
 
-def check_before_torch(cfg: JobConfig, set_on_cli: set[str]) -> None:
+def check_before_torch(cfg: JobConfig, set_on_cli: set[str] | frozenset[str]) -> None:
     """Every setting checked against the world, unless the run decides some later: the
     planner's mesh (parallel.plan auto) or the model's shape from checkpoint.init_from."""
-    apply_launcher_settings(cfg, set_on_cli)
+    launcher_sizes(set_on_cli)  # a size that is no integer fails here too
     if cfg.parallel.plan != "auto" and not cfg.checkpoint.init_from:
-        validate_for_world(cfg, set_on_cli)
+        layout_for_world(cfg, set_on_cli)

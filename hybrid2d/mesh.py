@@ -7,6 +7,7 @@ are chosen here once; the rest of the code takes them from the mesh.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import re
@@ -21,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from hybrid2d import shm_backend
 from hybrid2d.config import ConfigError
 from hybrid2d.launcher import world_from_env
+from hybrid2d.layout import RunLayout
 
 
 def pick_device(requested: str) -> str:
@@ -33,18 +35,36 @@ def pick_device(requested: str) -> str:
 
 @dataclass
 class Mesh:
-    """The DeviceMesh and the sub-meshes each part of the trainer works over."""
+    """The DeviceMesh of a RunLayout and the sub-meshes each part of the trainer works over.
+    The sizes are the layout's (their one owner)."""
 
     mesh: DeviceMesh
     flat_dp: DeviceMesh
     device: torch.device
-    dp_replicate: int
-    dp_shard: int
-    tp: int
+    layout: RunLayout
+
+    @property
+    def dp_replicate(self) -> int:
+        return self.layout.dp_replicate
+
+    @property
+    def dp_shard(self) -> int:
+        return self.layout.dp_shard
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
 
     @property
     def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
+        return self.layout.dp
+
+    def with_layout(self, layout: RunLayout) -> Mesh:
+        """This mesh (the same groups) for another layout of the same shape: another model or
+        batch split on the ranks of a mesh already built."""
+        if layout.mesh_shape != self.layout.mesh_shape:
+            raise ValueError(f"layout {layout} does not fit mesh {self.layout}")
+        return dataclasses.replace(self, layout=layout)
 
     @property
     def tp_mesh(self) -> DeviceMesh:
@@ -140,19 +160,17 @@ def group_options(timeout_s: int):
     return backend, torch._C._distributed_c10d.Backend.Options(backend, timeout)
 
 
-def build_mesh(
-    device_type: str, dp_replicate: int, dp_shard: int, tp: int, timeout_s: int | None = None
-) -> Mesh:
-    """The (dp_replicate, dp_shard, tp) mesh; its groups time out after timeout_s (None:
-    torch's defaults)."""
-    message = tp_locality_warning(tp)
+def build_mesh(device_type: str, layout: RunLayout, timeout_s: int | None = None) -> Mesh:
+    """The layout's (dp_replicate, dp_shard, tp) mesh; its groups time out after timeout_s
+    (None: torch's defaults)."""
+    message = tp_locality_warning(layout.tp)
     if message:  # one line from rank 0, not a UserWarning with its source line from every rank
         print0(f"warning: {message}", file=sys.stderr)
     names = ("dp_replicate", "dp_shard", "tp")
     options = None if timeout_s is None else group_options(timeout_s)
     mesh = init_device_mesh(
         device_type,
-        (dp_replicate, dp_shard, tp),
+        layout.mesh_shape,
         mesh_dim_names=names,
         backend_override=None if options is None else dict.fromkeys(names, options),
     )
@@ -162,7 +180,7 @@ def build_mesh(
         if device_type == "cuda"
         else (torch.device("cpu"))
     )
-    return Mesh(mesh, flat_dp, device, dp_replicate, dp_shard, tp)
+    return Mesh(mesh, flat_dp, device, layout)
 
 
 def describe_transport(mesh: Mesh) -> str:

@@ -14,12 +14,12 @@ import torch
 import torch.distributed as dist
 
 from hybrid2d.checkpoint.dcp import Checkpointer, find_resume
-from hybrid2d.checkpoint.hf import adopt_source_model, describe_load, load_pretrained
+from hybrid2d.checkpoint.hf import describe_load, load_pretrained
 from hybrid2d.config import ConfigError, JobConfig
 from hybrid2d.data import EvalSet, build_run_data
 from hybrid2d.data.chat import tokenizer_side_files
 from hybrid2d.data.tokenizer import describe_tokenizer
-from hybrid2d.launcher import apply_launcher_settings, validate_for_world, world_from_env
+from hybrid2d.launcher import world_from_env
 from hybrid2d.mesh import (
     CollectiveError,
     Mesh,
@@ -40,10 +40,10 @@ from hybrid2d.optim import build_optimizer, build_scheduler, clip_grad_norm
 from hybrid2d.parallel import parallelize
 from hybrid2d.parallel.loss import cross_entropy, loss_tokens
 from hybrid2d.planner.hardware import Hardware, host_memory_bytes
-from hybrid2d.planner.launch import apply_auto_plan, guess_note, prediction, profile_for
+from hybrid2d.planner.launch import guess_note, prediction, profile_for
 from hybrid2d.preemption import Preemption
-from hybrid2d.profiling.estimate import MeshShape
 from hybrid2d.profiling.profiler import MemoryProfiler
+from hybrid2d.resolve import resolve_layout
 from hybrid2d.run_dir import create_run_dir, release_locks, write_run_config
 
 
@@ -52,7 +52,7 @@ def build_model(cfg: JobConfig, mesh: Mesh, resuming: bool = False) -> Llama:
     Resuming, the parameters are left for the checkpoint to fill: neither init_from (on a large
     model, minutes of reading on every restart) nor a random init is done first."""
     with torch.device("meta"):
-        model = Llama(cfg.model)
+        model = Llama(mesh.layout.model)
     parallelize(model, mesh, cfg.parallel)
     model.to_empty(device=mesh.device)
     model.tie_weights()
@@ -174,8 +174,7 @@ class Trainer:
         the same token-weighted mean. `on_batch` runs after each batch (progress)."""
         self.model.eval()
         device = self.mesh.device
-        local = self.cfg.train.global_batch // self.mesh.dp
-        micro = self.cfg.train.micro_batch or local
+        micro = self.mesh.layout.micro_batch
         totals = torch.zeros(2, dtype=torch.float64, device=device)
         for inputs, labels in val.batches(self.mesh.dp_rank, self.mesh.dp, micro):
             inputs, labels = inputs.to(device), labels.to(device)
@@ -239,28 +238,23 @@ def _progress(total: int, enabled: bool) -> _Bar | _Lines | None:
 
 
 def run(cfg: JobConfig, set_on_cli: frozenset[str] | set[str] = frozenset()) -> dict:
-    """Validate, start the process group, train, summarise, shut down. Returns the summary."""
-    set_on_cli = set(set_on_cli)
-    apply_launcher_settings(cfg, set_on_cli)
-    if cfg.checkpoint.init_from:  # the model shape comes from the checkpoint (checked early)
-        adopt_source_model(cfg, set_on_cli)
+    """Resolve the layout, start the process group, train, summarise, shut down. Returns the
+    summary. `set_on_cli`: the settings the command line gave (they win over the launcher's
+    mesh sizes and init_from's model shape). cfg is read, never changed."""
     _, world, _, per_node = world_from_env()
     device_type = pick_device(cfg.train.device)
     hw = planner_profile(cfg, device_type)
-    plan_line = None
-    if cfg.parallel.plan == "auto":
-        plan_line = apply_auto_plan(cfg, world, per_node, hw, set_on_cli)
-    dp_rep, dp_shard, tp = validate_for_world(cfg, set_on_cli)
+    layout, plan_line = resolve_layout(cfg, set_on_cli, world, per_node, hw)
     if device_type == "cpu":
         set_cpu_threads()
     init_distributed(device_type, cfg.parallel.timeout_s, cfg.parallel.shm_collectives)
     failed_alone = False
     try:
         # Before any group is built, over the default one. data.cache_dir may be node-local.
-        settings = cfg.to_dict()
+        settings = layout.recorded(cfg)
         settings["data"].pop("cache_dir")
         agree_on_settings(settings)
-        mesh = build_mesh(device_type, dp_rep, dp_shard, tp, cfg.parallel.timeout_s)
+        mesh = build_mesh(device_type, layout, cfg.parallel.timeout_s)
         if plan_line:
             print0(plan_line)
         plan = planned(cfg, mesh, hw, per_node)
@@ -317,9 +311,8 @@ def check_planned_memory(plan: dict, mesh: Mesh, ranks_on_host: int) -> None:
 
 def planned(cfg: JobConfig, mesh: Mesh, hw: Hardware, per_node: int) -> dict:
     """The planner's prediction for the launched configuration (step time, peak per rank)."""
-    shape = MeshShape(mesh.dp_replicate, mesh.dp_shard, mesh.tp)
     try:
-        c = prediction(cfg, shape, hw, per_node)
+        c = prediction(cfg, mesh.layout, hw, per_node)
     except ConfigError as e:  # the planner cannot price it: say so, train anyway
         return {"hardware": hw.name, "error": str(e)}
     return {
@@ -335,11 +328,15 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
     torch.manual_seed(cfg.train.seed)
     run_dir = on_rank0(lambda: create_run_dir(cfg))  # rank 0 creates and locks it
     main = dist.get_rank() == 0
+    layout = mesh.layout
+    # What ran, as settings (the layout's values in place of the settings'): the run's and
+    # its checkpoints' config.json, which a resume and an export read back.
+    ran = JobConfig.from_dict(layout.recorded(cfg))
     print0(
-        f"hybrid2d: recipe {cfg.recipe}, {cfg.model.num_params() / 1e6:.1f}M params, mesh "
+        f"hybrid2d: recipe {cfg.recipe}, {layout.model.num_params() / 1e6:.1f}M params, mesh "
         f"dp_replicate={mesh.dp_replicate} x dp_shard={mesh.dp_shard} x tp={mesh.tp} on "
-        f"{mesh.device.type} ({describe_transport(mesh)}), tokenizer {describe_tokenizer(cfg)}, "
-        f"run dir {run_dir}"
+        f"{mesh.device.type} ({describe_transport(mesh)}), tokenizer "
+        f"{describe_tokenizer(cfg, layout)}, run dir {run_dir}"
     )
     if "error" in plan:
         print0(f"plan ({plan['hardware']}): no prediction: {plan['error']}")
@@ -351,26 +348,26 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
         )
     # A bad --checkpoint.resume fails here, on every rank, before data and model are built.
     resume_from = find_resume(cfg, run_dir)
-    data = build_run_data(cfg, mesh.dp_rank, mesh.dp, main, dist.barrier)
+    data = build_run_data(cfg, layout, mesh.dp_rank, main, dist.barrier)
     loader, tokenizer = data.loader, data.tokenizer
     print0(data.describe())
     trainer = Trainer(cfg, mesh, resuming=resume_from is not None)
     ckpt = Checkpointer(
-        cfg, run_dir, trainer, loader, tokenizer, tokenizer_side_files(cfg.data.tokenizer)
+        ran, run_dir, trainer, loader, tokenizer, tokenizer_side_files(layout.tokenizer)
     )
     if resume_from is not None:
         ckpt.load(resume_from)
     first_step = trainer.step + 1  # this launch's first step (after a resume: not 1)
     if main:
-        write_run_config(run_dir, cfg)
+        write_run_config(run_dir, ran)
     writer = MetricsWriter(run_dir if main else None, cfg.metrics.tensorboard)
-    memory = MemoryProfiler(cfg, trainer, run_dir)  # --profile.memory / --profile.snapshot
+    memory = MemoryProfiler(ran, trainer, run_dir)  # --profile.memory / --profile.snapshot
     # SIGTERM/SIGUSR1: save at this step and stop; a rank that does not get there within
     # timeout_s of its signal (hung) exits with one line instead.
     preemption = Preemption(mesh.device, cfg.parallel.timeout_s, lambda: trainer.step)
     bar = _progress(cfg.train.steps, cfg.metrics.progress_bar)
     tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
-    fpt = flops_per_token(cfg.model, cfg.train.seq_len)
+    fpt = flops_per_token(layout.model, cfg.train.seq_len)
     losses, times = [], []
     evals: list[dict] = []  # {step, loss, ppl} per validation
     eval_every = cfg.train.eval_every

@@ -9,6 +9,7 @@ import pytest
 
 from hybrid2d import recipes
 from hybrid2d.config import ConfigError, JobConfig, apply_overrides
+from hybrid2d.layout import RunLayout
 from tests.launch import REPO
 
 
@@ -108,35 +109,6 @@ def test_tp_spanning_nodes_warns(monkeypatch):
     assert tp_locality_warning(2) is None
 
 
-def test_launcher_env_sets_mesh(monkeypatch):
-    from hybrid2d.launcher import apply_launcher_settings
-
-    monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "2")
-    monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "2")
-    cfg = recipes.get("llama-debug")
-    apply_launcher_settings(cfg, set())
-    assert (cfg.parallel.tp, cfg.parallel.dp_shard) == (2, 2)
-    cfg = recipes.get("llama-debug")
-    apply_launcher_settings(cfg, {"parallel.tp"})  # the command line wins
-    assert cfg.parallel.tp == 1
-
-
-def test_a_mesh_error_names_the_sizes_the_launcher_gave(monkeypatch):
-    """accelerate's config sets dp_shard=2 and tp=2; --parallel.tp 4 on the command line: the
-    error names dp_shard's source, which the user never typed, and not tp's."""
-    from hybrid2d.launcher import apply_launcher_settings, launcher_sizes_note
-
-    monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "2")
-    monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "2")
-    cfg = recipes.get("llama-debug")
-    apply_overrides(cfg, ["--parallel.tp", "4"])
-    apply_launcher_settings(cfg, {"parallel.tp"})
-    note = launcher_sizes_note({"parallel.tp"})
-    assert note == "; parallel.dp_shard=2 came from the launcher (PARALLELISM_CONFIG_DP_SHARD_SIZE)"
-    with pytest.raises(ConfigError, match="1 x 2 x 4"):
-        cfg.validate(4)
-
-
 def test_tp_hint_lists_only_sizes_that_pass_every_check():
     """llama3.1-70b (64 heads, 8 kv heads) on 48 ranks: tp 16 divides the heads and the world
     but not the kv heads, so it is not offered; on 6 ranks tp 4 does not divide the world."""
@@ -144,7 +116,7 @@ def test_tp_hint_lists_only_sizes_that_pass_every_check():
         cfg = recipes.get("llama3.1-70b")
         cfg.parallel.tp, cfg.parallel.dp_shard = tp, world // tp
         with pytest.raises(ConfigError, match=re.escape(f"use tp in {offered}")):
-            cfg.validate(world)
+            RunLayout.build(cfg, world)
 
 
 def test_list_shows_recipes_with_sizes():
@@ -165,7 +137,7 @@ def test_published_shapes_fit_tp8():
     for name in ("llama3.1-8b", "llama3.1-70b"):
         cfg = recipes.get(name)
         cfg.parallel.tp, cfg.train.micro_batch = 8, 0
-        assert cfg.validate(64) == (1, 8, 8)
+        assert RunLayout.build(cfg, 64).mesh_shape == (1, 8, 8)
 
 
 # ---- the command line through tyro: every setting, its range, one error line -----------------
@@ -263,7 +235,7 @@ def test_bad_number_in_a_recipe_is_one_line_before_training(capsys, monkeypatch)
     with pytest.raises(
         ConfigError, match=r"^train\.lr=nan is not a finite number; use a value > 0$"
     ):
-        cfg.validate(1)
+        RunLayout.build(cfg, 1)
 
 
 @pytest.mark.parametrize(
@@ -569,7 +541,7 @@ def test_settings_that_would_be_ignored_or_outgrow_the_model_are_refused(setting
     cfg = JobConfig()  # llama-debug: max_position_embeddings 2048
     apply_overrides(cfg, settings)
     if words is None:
-        cfg.validate(1)
+        RunLayout.build(cfg, 1)
         return
     with pytest.raises(ConfigError, match=re.escape(words)):
-        cfg.validate(1)
+        RunLayout.build(cfg, 1)

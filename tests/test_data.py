@@ -27,6 +27,7 @@ from hybrid2d.data import (
     tokenize_corpus,
 )
 from hybrid2d.data import tokenizer as tokenizer_mod
+from hybrid2d.layout import RunLayout
 
 SMALL = 200_000
 VOCAB = 512
@@ -341,13 +342,14 @@ def test_build_data_main_then_ranks(tmp_path):
     cfg.data.max_chars = SMALL
     cfg.data.cache_dir = str(tmp_path / "cache")
     cfg.train.seq_len, cfg.train.global_batch, cfg.train.micro_batch = 32, 4, 1
+    two = RunLayout.build(cfg, 2)  # dp 2
 
     calls = []
     with pytest.raises(ConfigError) as e:  # a non-main rank never builds a missing cache
-        build_data(cfg, 1, 2, False, lambda: calls.append("barrier"))
+        build_data(cfg, two, 1, False, lambda: calls.append("barrier"))
     _one_line_error(e, "data.cache_dir")
-    main, tok = build_data(cfg, 0, 2, True, lambda: calls.append("barrier"))
-    other, tok1 = build_data(cfg, 1, 2, False, lambda: calls.append("barrier"))
+    main, tok = build_data(cfg, two, 0, True, lambda: calls.append("barrier"))
+    other, tok1 = build_data(cfg, two, 1, False, lambda: calls.append("barrier"))
     assert calls == ["barrier"] * 3
     assert tok.get_vocab_size() == VOCAB and tok1.to_str() == tok.to_str()
     micro0, micro1 = main.next_batch(), other.next_batch()

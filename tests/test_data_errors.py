@@ -16,6 +16,7 @@ from tokenizers import Tokenizer
 from hybrid2d.config import ConfigError, DataConfig, JobConfig
 from hybrid2d.data import build_run_data, corpus_documents
 from hybrid2d.data.instruct import build_instruction_arrays
+from hybrid2d.layout import RunLayout
 from tests.launch import REPO, launcher_env
 from tests.workers.hf_chat import make_tokenizer
 
@@ -43,6 +44,10 @@ def bad_utf8_jsonl(path):
     good = json.dumps(GOOD).encode()
     path.write_bytes(good + b"\n" + good + b"\n" + good + BAD_BYTES + b"\n" + good + b"\n")
     return path
+
+
+def with_layout(cfg: JobConfig) -> tuple[JobConfig, RunLayout]:
+    return cfg, RunLayout.build(cfg, 1)
 
 
 def job(tmp_path, tok_dir, **data) -> JobConfig:
@@ -73,7 +78,7 @@ def test_not_utf8_instruction_data_through_build_run_data(tok_dir, tmp_path, set
     good.write_text(json.dumps(GOOD) + "\n")
     paths = {"path": str(bad)} if setting == "path" else {"path": str(good), "val_path": str(bad)}
     with pytest.raises(ConfigError) as e:
-        build_run_data(job(tmp_path, tok_dir, **paths), 0, 1, True, lambda: None)
+        build_run_data(*with_layout(job(tmp_path, tok_dir, **paths)), 0, True, lambda: None)
     one_line(e, f"data.{setting}: {bad}:3: is not UTF-8 text")
 
 
@@ -102,7 +107,7 @@ def test_not_utf8_text_val_path_is_named_through_build_run_data(tok_dir, tmp_pat
     bad.write_bytes(b"hello\nworld" + BAD_BYTES + b"\n")
     cfg = job(tmp_path, tok_dir, path=str(train), val_path=str(bad))
     with pytest.raises(ConfigError) as e:  # said data.path='...badutf.txt'
-        build_run_data(cfg, 0, 1, True, lambda: None)
+        build_run_data(cfg, RunLayout.build(cfg, 1), 0, True, lambda: None)
     one_line(e, f"data.val_path={str(bad)!r}: {bad}:2 is not UTF-8 text")
 
 
@@ -130,7 +135,7 @@ def test_empty_val_path_names_data_val_path(tok_dir, tmp_path):
     empty.write_text("")
     cfg = job(tmp_path, tok_dir, path=str(good), val_path=str(empty))
     with pytest.raises(ConfigError) as e:  # said data.path='...empty.jsonl'
-        build_run_data(cfg, 0, 1, True, lambda: None)
+        build_run_data(cfg, RunLayout.build(cfg, 1), 0, True, lambda: None)
     msg = one_line(e, f"data.val_path={str(empty)!r} holds no non-empty documents")
     assert "data.path" not in msg, msg
 
@@ -140,7 +145,7 @@ def test_text_then_instruction_lines_is_a_mixed_format_error(tok_dir, tmp_path):
     chat = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
     f.write_text(json.dumps({"text": "some text"}) + "\n" + json.dumps(chat) + "\n")
     with pytest.raises(ConfigError) as e:  # said: set data.text_field to the text's key
-        build_run_data(job(tmp_path, tok_dir, path=str(f)), 0, 1, True, lambda: None)
+        build_run_data(*with_layout(job(tmp_path, tok_dir, path=str(f))), 0, True, lambda: None)
     msg = one_line(
         e,
         "mixes formats",
@@ -155,7 +160,7 @@ def test_instruction_then_text_lines_is_a_mixed_format_error(tok_dir, tmp_path):
     f = tmp_path / "chatfirst.jsonl"
     f.write_text(json.dumps(GOOD) + "\n" + json.dumps({"text": "some text"}) + "\n")
     with pytest.raises(ConfigError) as e:  # said only: has neither prompt/completion nor messages
-        build_run_data(job(tmp_path, tok_dir, path=str(f)), 0, 1, True, lambda: None)
+        build_run_data(*with_layout(job(tmp_path, tok_dir, path=str(f))), 0, True, lambda: None)
     mixed = f"while {f}:1 is instruction data: mixed formats"
     one_line(e, f"{f}:2: has neither", mixed, "separate files")
 
@@ -175,7 +180,7 @@ def test_a_folder_of_jsonl_and_txt_says_why_auto_read_it_as_text(tok_dir, tmp_pa
     (d / "a.jsonl").write_text(json.dumps(GOOD) + "\n")
     (d / "notes.txt").write_text("some text\n")
     with pytest.raises(ConfigError) as e:  # said: took data.path for text by its first file
-        build_run_data(job(tmp_path, tok_dir, path=str(d)), 0, 1, True, lambda: None)
+        build_run_data(*with_layout(job(tmp_path, tok_dir, path=str(d))), 0, True, lambda: None)
     msg = one_line(e, f"{d / 'a.jsonl'}:1 is instruction data", "all its files are .jsonl")
     assert "by its first file" not in msg, msg
 
@@ -190,7 +195,7 @@ def test_val_fraction_figures_describe_the_training_part(tok_dir, tmp_path):
     f = tmp_path / "d.jsonl"
     f.write_text("".join(json.dumps(r) + "\n" for r in records))
     cfg = job(tmp_path, tok_dir, path=str(f), val_fraction=0.25)
-    data = build_run_data(cfg, 0, 1, True, lambda: None)
+    data = build_run_data(cfg, RunLayout.build(cfg, 1), 0, True, lambda: None)
     train, val = data.loader.dataset, data.val.dataset
     whole = train.dataset
     assert len(train) + len(val) == whole.stats.samples == 39

@@ -10,12 +10,13 @@ import sys
 import pytest
 import torch
 
-from hybrid2d.checkpoint.hf import adopt_source_model, load_pretrained
+from hybrid2d.checkpoint.hf import load_pretrained, source_model
 from hybrid2d.checkpoint.hf_convert import convert_hf_to_dcp
 from hybrid2d.checkpoint.reader import iter_model_tensors
 from hybrid2d.config import ConfigError, JobConfig
 from hybrid2d.data import build_data
 from hybrid2d.data.tokenizer import describe_tokenizer
+from hybrid2d.layout import RunLayout
 from hybrid2d.models.llama import Llama
 from tests.launch import REPO, check_ok, launcher_env, run_ranks
 
@@ -35,29 +36,29 @@ def chat_dirs(tmp_path_factory):
     return hf_dir, dcp_dir, text
 
 
-def first_batch(spec: str, text, cache) -> tuple[JobConfig, torch.Tensor]:
+def first_batch(spec: str, text, cache) -> tuple[JobConfig, RunLayout, torch.Tensor]:
     cfg = JobConfig(recipe="test")
     cfg.checkpoint.init_from = spec
-    adopt_source_model(cfg, set())
     cfg.data.path, cfg.data.cache_dir = str(text), str(cache)
     cfg.train.seq_len, cfg.train.global_batch = 32, 2
-    loader, _ = build_data(cfg, 0, 1, True, lambda: None)
-    return cfg, loader.next_batch()[0][0]
+    model, tokenizer = source_model(cfg, set())
+    layout = RunLayout.build(cfg, 1, model=model, tokenizer=tokenizer)
+    loader, _ = build_data(cfg, layout, 0, True, lambda: None)
+    return cfg, layout, loader.next_batch()[0][0]
 
 
 def test_dcp_of_a_converted_dir_trains_with_its_tokenizer(chat_dirs, tmp_path):
     hf_dir, dcp_dir, text = chat_dirs
-    cfg_hf, ids_hf = first_batch(f"hf:{hf_dir}", text, tmp_path)
-    cfg_dcp, ids_dcp = first_batch(f"dcp:{dcp_dir}", text, tmp_path)
-    assert cfg_dcp.data.tokenizer == str(dcp_dir)
+    _, _, ids_hf = first_batch(f"hf:{hf_dir}", text, tmp_path)
+    cfg_dcp, layout, ids_dcp = first_batch(f"dcp:{dcp_dir}", text, tmp_path)
+    assert layout.tokenizer == str(dcp_dir) and cfg_dcp.data.tokenizer == ""
     assert torch.equal(ids_hf, ids_dcp)
-    assert "stored with checkpoint.init_from" in describe_tokenizer(cfg_dcp)
-    assert str(dcp_dir / "tokenizer.json") in describe_tokenizer(cfg_dcp)
+    assert "stored with checkpoint.init_from" in describe_tokenizer(cfg_dcp, layout)
+    assert str(dcp_dir / "tokenizer.json") in describe_tokenizer(cfg_dcp, layout)
     # An explicit data.tokenizer wins.
     cfg = JobConfig(recipe="test")
     cfg.checkpoint.init_from, cfg.data.tokenizer = f"dcp:{dcp_dir}", str(hf_dir)
-    adopt_source_model(cfg, set())
-    assert cfg.data.tokenizer == str(hf_dir)
+    assert source_model(cfg, set())[1] == str(hf_dir)
 
 
 def test_init_from_without_tokenizer_and_no_data_tokenizer_is_an_error(tmp_path):
@@ -66,7 +67,7 @@ def test_init_from_without_tokenizer_and_no_data_tokenizer_is_an_error(tmp_path)
     cfg = JobConfig(recipe="test")
     cfg.checkpoint.init_from = f"hf:{hf_dir}"
     with pytest.raises(ConfigError, match="checkpoint.init_from=.*data.tokenizer"):
-        adopt_source_model(cfg, set())
+        source_model(cfg, set())
     proc = train_cli(tmp_path, "--checkpoint.init_from", f"hf:{hf_dir}")
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [ln for ln in proc.stderr.splitlines() if ln.strip()]
@@ -261,9 +262,9 @@ def test_instruction_run_with_validation_reports_everywhere(chat_dirs, tmp_path)
     for source in (step, tmp_path / "run"):
         cfg = JobConfig(recipe="test")
         cfg.checkpoint.init_from = f"dcp:{source}"
-        adopt_source_model(cfg, set())
-        assert cfg.data.tokenizer == str(step) and cfg.model.vocab_size == 384
-        model = Llama(cfg.model)
+        model_cfg, tokenizer = source_model(cfg, set())
+        assert tokenizer == str(step) and model_cfg.vocab_size == 384
+        model = Llama(model_cfg)
         load_pretrained(model, cfg.checkpoint.init_from)
         saved = dict(iter_model_tensors(step))
         params = dict(model.named_parameters())
@@ -276,6 +277,6 @@ def test_init_from_a_path_that_is_no_checkpoint_names_the_setting(tmp_path):
     cfg = JobConfig(recipe="test")
     cfg.checkpoint.init_from = f"dcp:{tmp_path / 'nope'}"
     with pytest.raises(ConfigError) as e:
-        adopt_source_model(cfg, set())
+        source_model(cfg, set())
     assert str(e.value).startswith(f"checkpoint.init_from=dcp:{tmp_path / 'nope'}: "), e.value
     assert "is not a directory" in str(e.value)

@@ -18,6 +18,7 @@ from hybrid2d.config import ConfigError, JobConfig
 from hybrid2d.data import EvalSet, build_run_data
 from hybrid2d.data.chat import load_chat_template
 from hybrid2d.data.instruct import build_instruction_arrays
+from hybrid2d.layout import RunLayout
 from tests.launch import REPO, launcher_env
 
 transformers = pytest.importorskip("transformers")
@@ -291,12 +292,12 @@ def test_val_fraction_holds_out_a_fixed_part(tok_dirs, tmp_path):
     cfg.data.path, cfg.data.tokenizer = str(f), str(tok_dirs["chatml"])
     cfg.data.cache_dir, cfg.data.val_fraction = str(tmp_path / "cache"), 0.1
     cfg.model.vocab_size, cfg.train.seq_len, cfg.train.global_batch = 384, 16, 4
-    data = build_run_data(cfg, 0, 1, True, lambda: None)
+    data = build_run_data(cfg, RunLayout.build(cfg, 1), 0, True, lambda: None)
     assert data.kind == "instruct" and len(data.val) == 4 and len(data.loader.dataset) == 36
     held = set(data.val.dataset.indices.tolist())
     assert not held & set(data.loader.dataset.indices.tolist())
     cfg.train.seed = 5  # the held-out part does not move with the training seed
-    again = build_run_data(cfg, 0, 1, True, lambda: None)
+    again = build_run_data(cfg, RunLayout.build(cfg, 1), 0, True, lambda: None)
     assert set(again.val.dataset.indices.tolist()) == held
 
 
@@ -323,7 +324,7 @@ def test_validation_settings_are_checked(settings, says):
     for key, value in settings.items():
         setattr(cfg.train if key == "eval_every" else cfg.data, key, value)
     with pytest.raises(ConfigError, match=says):
-        cfg.validate(1)
+        RunLayout.build(cfg, 1)
 
 
 def test_val_fraction_range_and_forced_instruct_format(tmp_path):
@@ -337,4 +338,4 @@ def test_val_fraction_range_and_forced_instruct_format(tmp_path):
     cfg.data.path, cfg.data.format = str(f), "instruct"
     cfg.data.cache_dir = str(tmp_path / "cache")
     with pytest.raises(ConfigError, match="data.format=instruct needs .jsonl files"):
-        build_run_data(cfg, 0, 1, True, lambda: None)
+        build_run_data(cfg, RunLayout.build(cfg, 1), 0, True, lambda: None)

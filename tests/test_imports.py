@@ -10,10 +10,11 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hybrid2d"
 ALLOWED = {
     "config": set(),
     "sizes": {"config"},
+    "layout": {"config"},
     "models": {"config"},
-    "data": {"config"},
-    "launcher": {"config"},
-    "mesh": {"config", "launcher", "shm_backend"},
+    "data": {"config", "layout"},
+    "launcher": {"config", "layout"},
+    "mesh": {"config", "launcher", "layout", "shm_backend"},
     "shm_backend": {"config"},
     "parallel": {"config", "models", "mesh"},
 }
@@ -26,6 +27,8 @@ NEVER_TRAINER = (
     "data",
     "mesh",
     "launcher",
+    "layout",
+    "resolve",
 )
 
 

@@ -8,7 +8,8 @@ import pytest
 
 from hybrid2d import recipes
 from hybrid2d.config import ConfigError
-from hybrid2d.planner.launch import apply_auto_plan, guess_note, profile_for
+from hybrid2d.layout import RunLayout
+from hybrid2d.planner.launch import auto_plan, guess_note, profile_for
 from hybrid2d.planner.search import best_plan
 from tests.launch import REPO, launcher_env
 
@@ -16,16 +17,15 @@ from tests.launch import REPO, launcher_env
 def test_auto_plan_takes_the_best_plan():
     hw = profile_for("h100", "cpu")
     cfg = recipes.get("llama3.1-8b")
-    line = apply_auto_plan(cfg, 8, 8, hw, set())
+    choices, line = auto_plan(cfg, 8, 8, hw, set())
     best = best_plan(recipes.get("llama3.1-8b"), 8, 8, hw)
-    p = cfg.parallel
-    assert (p.dp_replicate, p.dp_shard, p.tp) == (best.dp_replicate, best.dp_shard, best.tp)
-    assert (p.activation_checkpoint, cfg.train.micro_batch) == (
+    layout = RunLayout.build(cfg, 8, **choices)
+    assert layout.mesh_shape == (best.dp_replicate, best.dp_shard, best.tp)
+    assert (layout.activation_checkpoint, layout.micro_batch) == (
         best.activation_checkpoint,
         best.micro_batch,
     )
     assert f"tp={best.tp}" in line and f"micro batch {best.micro_batch}" in line
-    cfg.validate(8)
 
 
 @pytest.mark.parametrize("gpu", ["NVIDIA H100 80GB HBM3", "NVIDIA L40S"])
@@ -52,7 +52,7 @@ def test_a_gpu_without_a_preset_is_called_a_guess(monkeypatch, gpu):
 def test_auto_plan_refuses_settings_it_would_override():
     cfg = recipes.get("llama3.1-8b")
     with pytest.raises(ConfigError, match="parallel.plan=auto chooses parallel.tp"):
-        apply_auto_plan(cfg, 8, 8, profile_for("h100", "cpu"), {"parallel.tp"})
+        auto_plan(cfg, 8, 8, profile_for("h100", "cpu"), {"parallel.tp"})
 
 
 def test_auto_plan_refuses_mesh_sizes_from_the_accelerate_config(monkeypatch):
@@ -63,15 +63,15 @@ def test_auto_plan_refuses_mesh_sizes_from_the_accelerate_config(monkeypatch):
     monkeypatch.delenv("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", raising=False)
     cfg = recipes.get("llama-debug")
     with pytest.raises(ConfigError) as e:
-        apply_auto_plan(cfg, 4, 4, profile_for("cpu", "cpu"), set())
+        auto_plan(cfg, 4, 4, profile_for("cpu", "cpu"), set())
     message = str(e.value)
     assert message.startswith("parallel.plan=auto chooses parallel.tp, parallel.dp_shard, but")
     assert "parallelism_config_tp_size=2, parallelism_config_dp_shard_size=2" in message
     assert "\n" not in message
-    # without them (or with them empty, as apply_launcher_settings reads them) it plans
+    # without them (or with them empty, as launcher_sizes reads them) it plans
     monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "")
     monkeypatch.delenv("PARALLELISM_CONFIG_DP_SHARD_SIZE")
-    assert apply_auto_plan(cfg, 4, 4, profile_for("cpu", "cpu"), set()).startswith("plan auto")
+    assert auto_plan(cfg, 4, 4, profile_for("cpu", "cpu"), set())[1].startswith("plan auto")
 
 
 def test_auto_plan_with_an_accelerate_mesh_is_one_error_line():

@@ -4,9 +4,9 @@ its parallel defaults are still the planner's best plan for that hardware."""
 import pytest
 
 from hybrid2d import recipes
+from hybrid2d.layout import RunLayout
 from hybrid2d.planner import hardware as profiles
 from hybrid2d.planner.search import best_plan, plan
-from hybrid2d.profiling.estimate import MeshShape
 from hybrid2d.sizes import parse_size
 
 GPU_RECIPES = [n for n in recipes.names() if recipes.describe(n).hardware.gpu != "cpu"]
@@ -19,25 +19,19 @@ def expected(name):
     return want, hw
 
 
-def recipe_mesh(cfg, world):
-    dp_rep, dp_shard, tp = cfg.resolve_mesh(world)
-    return MeshShape(dp_rep, dp_shard, tp)
-
-
 @pytest.mark.parametrize("name", GPU_RECIPES)
 def test_recipe_fits_its_hardware(name):
     cfg = recipes.get(name)
     want, hw = expected(name)
     world = want.nodes * want.gpus_per_node
-    cfg.validate(world)
-    mesh = recipe_mesh(cfg, world)
+    layout = RunLayout.build(cfg, world)
     result = plan(cfg, world, want.gpus_per_node, hw)
     mine = next(
         c
         for c in result.candidates
-        if (c.dp_replicate, c.dp_shard, c.tp) == (mesh.dp_replicate, mesh.dp_shard, mesh.tp)
-        and c.activation_checkpoint == cfg.parallel.activation_checkpoint
-        and c.micro_batch == (cfg.train.micro_batch or cfg.train.global_batch // mesh.dp)
+        if (c.dp_replicate, c.dp_shard, c.tp) == layout.mesh_shape
+        and c.activation_checkpoint == layout.activation_checkpoint
+        and c.micro_batch == layout.micro_batch
     )
     assert mine.fits, (name, mine.peak_gib, mine.memory_limit_gib)
 
@@ -47,12 +41,8 @@ def test_recipe_defaults_are_the_best_plan(name):
     cfg = recipes.get(name)
     want, hw = expected(name)
     best = best_plan(cfg, want.nodes * want.gpus_per_node, want.gpus_per_node, hw)
-    mesh = recipe_mesh(cfg, want.nodes * want.gpus_per_node)
-    assert (best.dp_replicate, best.dp_shard, best.tp) == (
-        mesh.dp_replicate,
-        mesh.dp_shard,
-        mesh.tp,
-    ), best.flags()
+    layout = RunLayout.build(cfg, want.nodes * want.gpus_per_node)
+    assert (best.dp_replicate, best.dp_shard, best.tp) == layout.mesh_shape, best.flags()
     assert best.activation_checkpoint == cfg.parallel.activation_checkpoint, best.flags()
     assert best.micro_batch == cfg.train.micro_batch, best.flags()
 

@@ -454,25 +454,31 @@ def describe_load(report: LoadReport) -> str:
     return f"init_from {report.source}: {report.tensors} tensors, {read} in {report.seconds:.1f} s"
 
 
-def adopt_source_model(cfg: JobConfig, set_on_cli: set[str]) -> None:
-    """With checkpoint.init_from, take the model shape and the tokenizer from the checkpoint.
+def source_model(
+    cfg: JobConfig, set_on_cli: set[str] | frozenset[str]
+) -> tuple[ModelConfig | None, str]:
+    """With checkpoint.init_from: (the model shape to train, the tokenizer to use).
 
-    cfg.model becomes the checkpoint's (a user starting from a published model need not restate
-    its shape); the --model.* settings given on the command line must agree with it, which is
-    checked here, on every rank, before any process group or data work. The tokenizer.json
-    stored with the checkpoint (a HF directory, a converted directory, a training checkpoint)
-    becomes data.tokenizer unless data.tokenizer is set; a checkpoint without one and no
+    The shape is the checkpoint's (a user starting from a published model need not restate
+    it; None when the checkpoint records none, and the tensor-by-tensor check at load time
+    still applies); the --model.* settings given on the command line must agree with it,
+    which is checked here, on every rank, before any process group or data work. The
+    tokenizer is data.tokenizer, else the tokenizer.json stored with the checkpoint (a HF
+    directory, a converted directory, a training checkpoint); a checkpoint without one and no
     data.tokenizer is an error, since a newly trained tokenizer's ids mean nothing to it.
+    Nothing in cfg is changed: the caller puts both into the run's layout.
     """
     try:
-        _adopt_source_model(cfg, set_on_cli)
+        return _source_model(cfg, set_on_cli)
     except ConfigError as e:  # name the setting the user gave, once
         if "checkpoint.init_from" in str(e):
             raise
         raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from}: {e}") from None
 
 
-def _adopt_source_model(cfg: JobConfig, set_on_cli: set[str]) -> None:
+def _source_model(
+    cfg: JobConfig, set_on_cli: set[str] | frozenset[str]
+) -> tuple[ModelConfig | None, str]:
     kind, path = parse_init_from(cfg.checkpoint.init_from)
     if kind == "hf":
         with HFCheckpoint(path) as ckpt:
@@ -481,24 +487,24 @@ def _adopt_source_model(cfg: JobConfig, set_on_cli: set[str]) -> None:
         found = read_saved_model_config(path)
         if found is None:
             model_entries(read_metadata(Path(path)), path)  # not a DCP checkpoint: says so
-    adopt_tokenizer(cfg, path)
+    tokenizer = source_tokenizer(cfg, path)
     if found is None:
-        return  # no saved shape: the tensor-by-tensor check at load time still applies
+        return None, tokenizer
     # The settings given on the command line must agree with the checkpoint; every other field
     # is the checkpoint's (the recipe's shape would name a setting the user never gave).
     given = {n.removeprefix("model.") for n in set_on_cli if n.startswith("model.")}
     given.add("init_std")  # not part of a checkpoint's shape
-    cfg.model = dataclasses.replace(found, **{n: getattr(cfg.model, n) for n in given})
-    check_model_config(found, cfg.model, cfg.checkpoint.init_from, "its config")
+    model = dataclasses.replace(found, **{n: getattr(cfg.model, n) for n in given})
+    check_model_config(found, model, cfg.checkpoint.init_from, "its config")
+    return model, tokenizer
 
 
-def adopt_tokenizer(cfg: JobConfig, path: str) -> None:
-    """data.tokenizer = the checkpoint directory when it holds a tokenizer.json and none is set."""
+def source_tokenizer(cfg: JobConfig, path: str) -> str:
+    """data.tokenizer, else the checkpoint directory when it holds a tokenizer.json."""
     if cfg.data.tokenizer:
-        return
+        return cfg.data.tokenizer
     if os.path.isfile(os.path.join(path, "tokenizer.json")):
-        cfg.data.tokenizer = path
-        return
+        return path
     raise CheckpointError(
         f"checkpoint.init_from={cfg.checkpoint.init_from} holds no tokenizer.json and "
         "data.tokenizer is empty, which would train a new tokenizer whose ids mean nothing to "

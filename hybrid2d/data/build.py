@@ -39,6 +39,7 @@ from hybrid2d.data.loader import GlobalBatchLoader
 from hybrid2d.data.packing import PackedDataset
 from hybrid2d.data.tokenizer import load_or_train_tokenizer, tokenizer_hash
 from hybrid2d.data.tokens import tokenize_corpus
+from hybrid2d.layout import RunLayout
 
 DEFAULT_CACHE_DIR = "~/.cache/hybrid2d"
 VAL_SPLIT_SEED = 1234  # the held-out part of data.path does not move with train.seed
@@ -160,41 +161,42 @@ def _dataset(cfg: JobConfig, d, tok: Tokenizer, cache_dir, setting: str, build: 
     """(dataset, kind) for the data config d (data.path's, or val_path's in its place)."""
     kind = data_kind(cfg, source_files(d, setting), setting)
     if kind == "instruct":
-        template = load_chat_template(cfg.data.tokenizer)
+        template = load_chat_template(d.tokenizer)
         return _instruct_cache(cfg, d, tok, template, cache_dir, setting, build), kind
     tokens = tokenize_corpus(d, tok, cache_dir, build=build, setting=setting)
     return PackedDataset(tokens, cfg.train.seq_len, source=d.path), kind
 
 
-def _val_config(cfg: JobConfig):
+def _val_config(data):
     """data.val_path as a DataConfig (its path in data.path's place) whose files exist, or None."""
-    if not cfg.data.val_path:
+    if not data.val_path:
         return None
-    d = dataclasses.replace(cfg.data, path=cfg.data.val_path, val_path="", val_fraction=0.0)
+    d = dataclasses.replace(data, path=data.val_path, val_path="", val_fraction=0.0)
     source_files(d, "data.val_path")
     return d
 
 
 def build_run_data(
-    cfg: JobConfig, dp_rank: int, dp_size: int, is_main: bool, barrier: Callable[[], None]
+    cfg: JobConfig, layout: RunLayout, dp_rank: int, is_main: bool, barrier: Callable[[], None]
 ) -> RunData:
-    """Loader for this dp rank, tokenizer, validation set. Every process must call it (it
-    calls barrier())."""
-    d, t = cfg.data, cfg.train
+    """Loader for this dp rank, tokenizer, validation set; the tokenizer, the vocabulary size
+    and the batch split are the layout's. Every process must call it (it calls barrier())."""
+    d, t = dataclasses.replace(cfg.data, tokenizer=layout.tokenizer), cfg.train
+    vocab_size = layout.model.vocab_size
     cache_dir = cache_dir_for(cfg)
     # Cheap checks on every rank first, so a bad data.path fails everywhere at once instead of
     # leaving the other ranks waiting at the barrier for a main process that already died.
     source_files(d)
-    val_cfg = _val_config(cfg)
+    val_cfg = _val_config(d)
     if d.tokenizer:
-        load_or_train_tokenizer(d, cfg.model.vocab_size, cache_dir, build=False)
+        load_or_train_tokenizer(d, vocab_size, cache_dir, build=False)
     if is_main:
-        tok = load_or_train_tokenizer(d, cfg.model.vocab_size, cache_dir)
+        tok = load_or_train_tokenizer(d, vocab_size, cache_dir)
         _dataset(cfg, d, tok, cache_dir, "data.path", build=True)
         if val_cfg is not None:
             _dataset(cfg, val_cfg, tok, cache_dir, "data.val_path", build=True)
     barrier()
-    tok = load_or_train_tokenizer(d, cfg.model.vocab_size, cache_dir, build=False)
+    tok = load_or_train_tokenizer(d, vocab_size, cache_dir, build=False)
     dataset, kind = _dataset(cfg, d, tok, cache_dir, "data.path", build=False)
     train_stats = dataset.stats if kind == "instruct" else None
     val_stats = None
@@ -226,13 +228,15 @@ def build_run_data(
         stats["train"] = train_stats.to_dict()
     if val_stats is not None:
         stats["val"] = val_stats.to_dict()
-    loader = GlobalBatchLoader(dataset, t.global_batch, dp_rank, dp_size, t.micro_batch, t.seed)
+    loader = GlobalBatchLoader(
+        dataset, layout.global_batch, dp_rank, layout.dp, layout.micro_batch, t.seed
+    )
     return RunData(loader, tok, val, kind, stats)
 
 
 def build_data(
-    cfg: JobConfig, dp_rank: int, dp_size: int, is_main: bool, barrier: Callable[[], None]
+    cfg: JobConfig, layout: RunLayout, dp_rank: int, is_main: bool, barrier: Callable[[], None]
 ) -> tuple[GlobalBatchLoader, Tokenizer]:
     """(loader for this dp rank, tokenizer). Every process must call it (it calls barrier())."""
-    data = build_run_data(cfg, dp_rank, dp_size, is_main, barrier)
+    data = build_run_data(cfg, layout, dp_rank, is_main, barrier)
     return data.loader, data.tokenizer

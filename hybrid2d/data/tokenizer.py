@@ -14,6 +14,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from hybrid2d.config import ConfigError, DataConfig, JobConfig
 from hybrid2d.data.cache import atomic_path, cache_key, must_build
 from hybrid2d.data.corpus import corpus_documents, corpus_identity
+from hybrid2d.layout import RunLayout
 
 EOS_TOKEN = "<|endoftext|>"
 # Document separators used by common tokenizer families (GPT-2/NeoX, Llama 1-2/Mistral,
@@ -140,14 +141,14 @@ def tokenizer_hash(tok: Tokenizer) -> str:
     return cache_key(tok.to_str())
 
 
-def describe_tokenizer(cfg: JobConfig) -> str:
+def describe_tokenizer(cfg: JobConfig, layout: RunLayout) -> str:
     """Which tokenizer a run uses, for its start line: the file, and whether it is the one
     stored with checkpoint.init_from, or the BPE trained on the corpus."""
     d = cfg.data
-    if not d.tokenizer:
+    if not layout.tokenizer:
         corpus = repr(d.path) if d.path else "the built-in corpus"
-        return f"byte-level BPE of {cfg.model.vocab_size} tokens trained on {corpus}"
-    path = pathlib.Path(d.tokenizer).expanduser()
+        return f"byte-level BPE of {layout.model.vocab_size} tokens trained on {corpus}"
+    path = pathlib.Path(layout.tokenizer).expanduser()
     shown = path / "tokenizer.json" if path.is_dir() else path
     init = cfg.checkpoint.init_from.partition(":")[2]
     if init and path.resolve() == pathlib.Path(init).expanduser().resolve():

@@ -19,8 +19,10 @@ from hybrid2d.parallel.tensor_parallel import apply_tp
 
 
 def parallelize(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig) -> nn.Module:
+    """TP, activation checkpointing (the layout's choice), compile and FSDP, in this order."""
     apply_tp(model, mesh.tp_mesh)
-    if pcfg.compile and pcfg.activation_checkpoint == "full":
+    ac = mesh.layout.activation_checkpoint
+    if pcfg.compile and ac == "full":
         # Full checkpointing goes around the compiled block: compiled with the checkpoint
         # inside, tp > 1 fails in AOTAutograd (torch 2.13: "expected all
         # tensors_saved_with_vc_check to be Tensors", a DeviceMesh among them). Recomputation
@@ -29,7 +31,7 @@ def parallelize(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig) -> nn.Module
             block.forward = torch.compile(block.forward)
         apply_ac(model, "full")
     else:
-        apply_ac(model, pcfg.activation_checkpoint)
+        apply_ac(model, ac)
         if pcfg.compile:
             for block in model.model.layers:
                 block.compile()

@@ -3,12 +3,11 @@ for the launched configuration, and `parallel.plan=auto` (take the best plan for
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from hybrid2d.config import ConfigError, JobConfig
-from hybrid2d.launcher import LAUNCHER_MESH_ENV
+from hybrid2d.launcher import LAUNCHER_MESH_ENV, launched_mesh_env
+from hybrid2d.layout import RunLayout
 from hybrid2d.planner import hardware as profiles
 from hybrid2d.planner.hardware import Hardware
 from hybrid2d.planner.model import PLANNED, Candidate, predict
@@ -46,16 +45,19 @@ def guess_note(hw: Hardware) -> str:
     return ""
 
 
-def prediction(cfg: JobConfig, mesh: MeshShape, hw: Hardware, per_node: int) -> Candidate:
-    """The planner's figures for exactly this configuration."""
-    return predict(cfg, mesh, hw, gpus_per_node=max(per_node, mesh.tp))
+def prediction(cfg: JobConfig, layout: RunLayout, hw: Hardware, per_node: int) -> Candidate:
+    """The planner's figures for exactly this layout."""
+    ran = JobConfig.from_dict(layout.recorded(cfg))
+    mesh = MeshShape(*layout.mesh_shape)
+    return predict(ran, mesh, hw, gpus_per_node=max(per_node, mesh.tp))
 
 
-def apply_auto_plan(
-    cfg: JobConfig, world: int, per_node: int, hw: Hardware, set_on_cli: set[str]
-) -> str:
-    """parallel.plan=auto: set mesh, checkpointing and micro batch from the best plan for
-    `world` ranks; one line saying what was taken (ConfigError when nothing fits)."""
+def auto_plan(
+    cfg: JobConfig, world: int, per_node: int, hw: Hardware, set_on_cli: set[str] | frozenset[str]
+) -> tuple[dict, str]:
+    """parallel.plan=auto: the mesh, checkpointing and micro batch of the best plan for `world`
+    ranks, as RunLayout.build's keywords, and one line saying what was taken (ConfigError when
+    nothing fits). cfg is the plan's subject, not changed."""
     # Setting one of PLANNED on the command line, or a mesh size in the accelerate config (its
     # PARALLELISM_CONFIG_* variables), as well is an error.
     both = sorted(name for name in PLANNED if name in set_on_cli)
@@ -64,28 +66,31 @@ def apply_auto_plan(
             f"parallel.plan=auto chooses {', '.join(both)}; drop --{' --'.join(both)} or use "
             "parallel.plan=manual"
         )
-    # accelerate's parallelism_config sizes reach the run as PARALLELISM_CONFIG_* variables
-    # (hybrid2d.launcher.apply_launcher_settings has already copied them into cfg); plan auto
-    # would overwrite them, so they are refused exactly as the command-line flags are.
-    launched = [
-        (env.removeprefix("PARALLELISM_CONFIG_").lower(), name, os.environ[env])
-        for env, name in LAUNCHER_MESH_ENV.items()
-        if os.environ.get(env)
-    ]
+    # accelerate's parallelism_config sizes reach the run as PARALLELISM_CONFIG_* variables;
+    # plan auto would overrule them, so they are refused exactly as the command-line flags are.
+    launched = launched_mesh_env()
     if launched:
-        settings = ", ".join(f"parallelism_config_{key}={value}" for key, _, value in launched)
-        names = ", ".join(f"parallel.{name}" for _, name, _ in launched)
+        settings = ", ".join(
+            f"parallelism_config_{env.removeprefix('PARALLELISM_CONFIG_').lower()}={value}"
+            for env, value in launched.items()
+        )
+        names = ", ".join(f"parallel.{LAUNCHER_MESH_ENV[env]}" for env in launched)
         raise ConfigError(
             f"parallel.plan=auto chooses {names}, but accelerate's launch sets them ({settings}: "
             "the config's parallelism_config, the sizes it leaves out as 1); drop "
             "parallelism_config from the accelerate config or use parallel.plan=manual"
         )
     best = best_plan(cfg, world, min(per_node, world), hw)
-    p = cfg.parallel
-    p.dp_replicate, p.dp_shard, p.tp = best.dp_replicate, best.dp_shard, best.tp
-    p.activation_checkpoint, cfg.train.micro_batch = best.activation_checkpoint, best.micro_batch
-    return (
+    choices = {
+        "dp_replicate": best.dp_replicate,
+        "dp_shard": best.dp_shard,
+        "tp": best.tp,
+        "activation_checkpoint": best.activation_checkpoint,
+        "micro_batch": best.micro_batch,
+    }
+    line = (
         f"plan auto ({hw.name}): dp_replicate={best.dp_replicate} x dp_shard={best.dp_shard} x "
         f"tp={best.tp}, {best.activation_checkpoint} checkpointing, micro batch "
         f"{best.micro_batch}"
     )
+    return choices, line

@@ -9,6 +9,7 @@ import sys
 import torch.distributed as dist
 
 from hybrid2d.comm_report import CollectiveCounter
+from hybrid2d.layout import RunLayout
 from hybrid2d.mesh import build_mesh, init_distributed, shutdown_distributed
 from hybrid2d.trainer import Trainer
 from tests.reference import global_batches, tiny_config
@@ -18,9 +19,9 @@ def main():
     out, dp, tp, mb = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     cfg = tiny_config("sgd", 1.0, steps=2)
     cfg.parallel.tp, cfg.parallel.dp_shard, cfg.train.micro_batch = tp, dp, mb
-    cfg.validate(dp * tp)
+    layout = RunLayout.build(cfg, dp * tp)
     init_distributed("cpu", 60)
-    mesh = build_mesh("cpu", 1, dp, tp)
+    mesh = build_mesh("cpu", layout)
     trainer = Trainer(cfg, mesh)
     per = cfg.train.global_batch // dp
     lo = mesh.dp_rank * per

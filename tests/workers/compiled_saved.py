@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hybrid2d import recipes
+from hybrid2d.layout import RunLayout
 from hybrid2d.mesh import build_mesh, init_distributed, shutdown_distributed
 from hybrid2d.models.llama import Llama
 from hybrid2d.parallel.activation_checkpoint import apply_ac
@@ -31,8 +32,9 @@ def main():
     )
     init_distributed("cpu", 300)
     tp = dist.get_world_size()
-    mesh = build_mesh("cpu", 1, 1, tp)
-    m = recipes.get("llama-debug").model
+    cfg = recipes.get("llama-debug")
+    mesh = build_mesh("cpu", RunLayout.build(cfg, tp, dp_shard=1, tp=tp))
+    m = cfg.model
     torch.manual_seed(0)
     model = Llama(dataclasses.replace(m, n_layers=1)).to(dtype)
     apply_tp(model, mesh.tp_mesh)

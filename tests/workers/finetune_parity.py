@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from hybrid2d.config import JobConfig
 from hybrid2d.data import EvalSet
+from hybrid2d.layout import RunLayout
 from hybrid2d.mesh import build_mesh, init_distributed, shutdown_distributed
 from tests.reference import masked_global_batches, tiny_config
 
@@ -40,13 +41,14 @@ def main():
     init_distributed("cpu", 120)
     from hybrid2d.trainer import Trainer
 
-    mesh = build_mesh("cpu", 1, dp, tp)
+    mesh = None
     results = {}
     for optimizer, clip in (("sgd", 0.5), ("adamw", 1.0)):
         cfg = tiny_config(optimizer, clip)
         cfg.train.micro_batch = micro
         cfg.parallel.dp_shard, cfg.parallel.tp = dp, tp
-        cfg.validate(dist.get_world_size())
+        layout = RunLayout.build(cfg, dist.get_world_size())
+        mesh = build_mesh("cpu", layout) if mesh is None else mesh.with_layout(layout)
         trainer = Trainer(cfg, mesh)
         per_rank = cfg.train.global_batch // mesh.dp
         losses, norms = [], []

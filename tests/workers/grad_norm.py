@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 from hybrid2d import recipes
+from hybrid2d.layout import RunLayout
 from hybrid2d.mesh import build_mesh, init_distributed, shutdown_distributed
 from hybrid2d.optim import clip_grad_norm
 from tests.reference import global_batches, tiny_config
@@ -50,11 +51,11 @@ def main():
         cfg.model = recipes.get("llama-debug").model
     cfg.parallel.tp, cfg.parallel.dp_replicate, cfg.parallel.dp_shard = tp, dp_rep, dp // dp_rep
     cfg.parallel.shm_collectives = "off"  # plain gloo: what is counted is what crosses ranks
-    cfg.validate(dp * tp)
+    layout = RunLayout.build(cfg, dp * tp)
     init_distributed("cpu", 120, cfg.parallel.shm_collectives)
     from hybrid2d.trainer import Trainer
 
-    mesh = build_mesh("cpu", dp_rep, dp // dp_rep, tp)
+    mesh = build_mesh("cpu", layout)
     trainer = Trainer(cfg, mesh)
     inputs, labels = next(iter(global_batches(cfg)))
     per_rank = cfg.train.global_batch // mesh.dp

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from hybrid2d.checkpoint.hf import last_load_report, model_config_from_hf
 from hybrid2d.config import JobConfig
+from hybrid2d.layout import RunLayout
 from hybrid2d.mesh import build_mesh, init_distributed, shutdown_distributed
 
 
@@ -29,7 +30,7 @@ def main():
     init_distributed("cpu", 300)
     from hybrid2d.trainer import build_model
 
-    mesh = build_mesh("cpu", 1, dp, tp)
+    mesh = None
     results = {}
     for i in range(0, len(cases), 3):
         name, hf_dir, dcp_dir = cases[i : i + 3]
@@ -42,7 +43,8 @@ def main():
             cfg.train.seq_len = tokens.shape[1]
             cfg.train.global_batch = dp
             cfg.checkpoint.init_from = spec
-            cfg.validate(dist.get_world_size())
+            layout = RunLayout.build(cfg, dist.get_world_size())
+            mesh = build_mesh("cpu", layout) if mesh is None else mesh.with_layout(layout)
             model = build_model(cfg, mesh).eval()
             with torch.no_grad():
                 logits = full(model(tokens)).clone()

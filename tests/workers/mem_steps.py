@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from hybrid2d import recipes
 from hybrid2d.config import JobConfig
+from hybrid2d.layout import RunLayout
 from hybrid2d.mesh import build_mesh, init_distributed, shutdown_distributed
 
 
@@ -23,7 +24,7 @@ def config(dp: int, tp: int, ac: str = "none") -> JobConfig:
     cfg.parallel.dp_shard, cfg.parallel.tp = dp, tp
     cfg.parallel.activation_checkpoint = ac
     cfg.train.device = "cpu"
-    cfg.validate(dp * tp)
+    RunLayout.build(cfg, dp * tp)  # the settings fit this mesh
     return cfg
 
 
@@ -37,7 +38,7 @@ def main():
     from hybrid2d.profiling.measure import measure_step
     from hybrid2d.trainer import Trainer
 
-    mesh = build_mesh("cpu", 1, dp, tp)
+    mesh = build_mesh("cpu", RunLayout.build(cfg, dp * tp))
     trainer = Trainer(cfg, mesh)
     t = cfg.train
     gen = torch.Generator().manual_seed(mesh.dp_rank)

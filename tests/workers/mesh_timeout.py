@@ -13,13 +13,15 @@ import time
 import torch
 import torch.distributed as dist
 
+from hybrid2d.config import JobConfig
+from hybrid2d.layout import RunLayout
 from hybrid2d.mesh import build_mesh, init_distributed
 
 
 def main():
     setting, timeout_s = sys.argv[1], int(sys.argv[2])
     init_distributed("cpu", timeout_s, setting)
-    mesh = build_mesh("cpu", 1, 2, 2, timeout_s)
+    mesh = build_mesh("cpu", RunLayout.build(JobConfig(), 4, dp_shard=2, tp=2), timeout_s)
     rank = dist.get_rank()
     if rank == 2:
         time.sleep(timeout_s + 8)

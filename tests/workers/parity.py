@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from hybrid2d import shm_backend
 from hybrid2d.config import JobConfig, apply_overrides
+from hybrid2d.layout import RunLayout
 from hybrid2d.mesh import build_mesh, init_distributed, shutdown_distributed
 from tests.reference import global_batches, tiny_config
 
@@ -37,11 +38,11 @@ def main():
     cfg.parallel.dp_replicate = dp_rep
     cfg.parallel.dp_shard = int(dp) // dp_rep
     world = int(dp) * int(tp)
-    cfg.validate(world)
+    layout = RunLayout.build(cfg, world)
     init_distributed("cpu", 120, cfg.parallel.shm_collectives)
     from hybrid2d.trainer import Trainer
 
-    mesh = build_mesh("cpu", dp_rep, int(dp) // dp_rep, int(tp))
+    mesh = build_mesh("cpu", layout)
     if os.environ.get("CHECK_NODES"):
         check_node_layout(mesh)
     trainer = Trainer(cfg, mesh)

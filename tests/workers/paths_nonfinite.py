@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import hybrid2d.trainer as trainer_module
+from hybrid2d.layout import RunLayout
 from hybrid2d.mesh import build_mesh, init_distributed, shutdown_distributed
 from hybrid2d.trainer import NonFiniteError, Trainer
 from tests.reference import global_batches, tiny_config
@@ -53,9 +54,9 @@ def main():
     cfg = tiny_config("adamw", 1.0, steps=4)
     cfg.parallel.tp, cfg.parallel.dp_shard = tp, dp
     cfg.train.on_nonfinite = mode
-    cfg.validate(dp * tp)
+    layout = RunLayout.build(cfg, dp * tp)
     init_distributed("cpu", 120)
-    mesh = build_mesh("cpu", 1, dp, tp)
+    mesh = build_mesh("cpu", layout)
     trainer = Trainer(cfg, mesh)
     rank, world = dist.get_rank(), dist.get_world_size()
 
