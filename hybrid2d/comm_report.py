@@ -1,9 +1,6 @@
-"""Collectives of one training step: counted with torch's CommDebugMode, sized, and compared
-with the analytic minimum of sequence-parallel TP + FSDP.
-
-Payload bytes of a collective are the size of its full (unsharded) buffer: the output of an
-all-gather, the input of a reduce-scatter, the tensor of an all-reduce. A ring moves (n-1)/n of
-that per rank.
+"""Collectives of one training step, measured: counted with torch's CommDebugMode, sized, and
+compared with the planner's prediction (`planner.comm.analytic_step`, whose kinds and payload
+convention these are: the full buffer of each collective).
 """
 
 from __future__ import annotations
@@ -14,7 +11,6 @@ import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
 from hybrid2d import shm_backend
-from hybrid2d.config import ModelConfig
 
 # op name (as CommDebugMode reports it) -> (kind, which args hold the full buffer)
 _KIND = {
@@ -79,59 +75,6 @@ class CollectiveCounter(CommDebugMode):
             "counts": dict(self.counts),
             "bytes": dict(self.bytes),
         }
-
-
-def _pad(rows: int, ways: int) -> int:
-    """FSDP2 pads dim 0 of each parameter to a multiple of the shard count."""
-    return -(-rows // ways) * ways
-
-
-def analytic_step(
-    m: ModelConfig,
-    dp: int,
-    tp: int,
-    local_batch: int,
-    seq_len: int,
-    micro_batches: int = 1,
-    reshard_after_forward: bool = True,
-    elt: int = 4,
-) -> dict:
-    """Collectives per rank per optimizer step: {kind: (count, payload bytes)}.
-
-    Minimum for Megatron-SP TP + FSDP, plus the small extras our loop needs (listed apart):
-    - tp_all_gather / tp_reduce_scatter: activations [b, s, d] at every SP <-> TP boundary:
-      per block 2 gathers + 2 reduce-scatters forward and the mirror image backward; the
-      vocab-parallel embedding (reduce-scatter fwd, gather bwd) and the output projection
-      (gather fwd, reduce-scatter bwd).
-    - fsdp_all_gather: each unit's parameters forward, again in backward for resharded units
-      (the last block and the root stay gathered); fsdp_reduce_scatter: each unit's gradients.
-    - extras: tp_all_reduce = 3 for loss parallel (max, sum of exp, target logit over [b*s])
-      and one per sequence-parallel norm weight (its gradient is a partial sum over tp);
-      scalar_all_reduce = the global grad norm and the logged loss.
-    """
-    per_micro: dict[str, tuple[int, int]] = {}
-    b = local_batch // micro_batches
-    if tp > 1:
-        n = 4 * m.n_layers + 2
-        per_micro["tp_all_gather"] = (n, n * b * seq_len * m.dim * elt)
-        per_micro["tp_reduce_scatter"] = per_micro["tp_all_gather"]
-        norms = 2 * m.n_layers + 1
-        per_micro["tp_all_reduce"] = (3 + norms, (3 * b * seq_len + norms * m.dim) * elt)
-    if dp > 1:
-        q, kv, ffn = m.n_heads * m.head_dim // tp, m.n_kv_heads * m.head_dim // tp, m.ffn_dim // tp
-        rows = [(q, m.dim), (kv, m.dim), (kv, m.dim), (m.dim, q)]
-        rows += [(ffn, m.dim), (ffn, m.dim), (m.dim, ffn), (m.dim, 1), (m.dim, 1)]
-        block = sum(_pad(r, dp) * c for r, c in rows) * elt
-        emb = _pad(m.vocab_size // tp, dp) * m.dim
-        root = (emb + (0 if m.tie_embeddings else emb) + _pad(m.dim, dp)) * elt
-        regather = (m.n_layers - 1) if reshard_after_forward else 0
-        gathers = m.n_layers + regather
-        per_micro["fsdp_all_gather"] = (gathers + 1, gathers * block + root)
-        per_micro["fsdp_reduce_scatter"] = (m.n_layers + 1, m.n_layers * block + root)
-    out = {k: (c * micro_batches, size * micro_batches) for k, (c, size) in per_micro.items()}
-    if dp * tp > 1:
-        out["scalar_all_reduce"] = (2, 12) if dp > 1 else (1, 8)
-    return {k: v for k, v in out.items() if v[0]}
 
 
 MINIMUM_KINDS = ("tp_all_gather", "tp_reduce_scatter", "fsdp_all_gather", "fsdp_reduce_scatter")

@@ -41,8 +41,8 @@ from hybrid2d.parallel import parallelize
 from hybrid2d.parallel.loss import cross_entropy, loss_tokens
 from hybrid2d.planner.hardware import Hardware, host_memory_bytes
 from hybrid2d.planner.launch import apply_auto_plan, guess_note, prediction, profile_for
+from hybrid2d.planner.memory import MeshShape
 from hybrid2d.preemption import Preemption
-from hybrid2d.profiling.estimate import MeshShape
 from hybrid2d.profiling.profiler import MemoryProfiler
 from hybrid2d.run_dir import create_run_dir, release_locks, write_run_config
 

@@ -5,8 +5,8 @@ import pytest
 
 from hybrid2d import recipes
 from hybrid2d.planner import hardware as profiles
+from hybrid2d.planner.memory import MeshShape
 from hybrid2d.planner.search import best_plan, plan
-from hybrid2d.profiling.estimate import MeshShape
 from hybrid2d.sizes import parse_size
 
 GPU_RECIPES = [n for n in recipes.names() if recipes.describe(n).hardware.gpu != "cpu"]

@@ -11,9 +11,9 @@ from hybrid2d.config import ConfigError, JobConfig
 from hybrid2d.launcher import LAUNCHER_MESH_ENV
 from hybrid2d.planner import hardware as profiles
 from hybrid2d.planner.hardware import Hardware
+from hybrid2d.planner.memory import MeshShape
 from hybrid2d.planner.model import PLANNED, Candidate, predict
 from hybrid2d.planner.search import best_plan
-from hybrid2d.profiling.estimate import MeshShape
 
 
 def profile_for(setting: str, device_type: str) -> Hardware:
