@@ -10,22 +10,31 @@ from collections import defaultdict
 import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
-from hybrid2d import shm_backend
-
-# op name (as CommDebugMode reports it) -> (kind, which args hold the full buffer)
+# c10d's name of each collective (CommDebugMode's op name without its namespace for the process
+# group's ops) -> the kind the report files it under.
 _KIND = {
     "c10d_functional.all_gather_into_tensor": "tp_all_gather",
     "c10d_functional.reduce_scatter_tensor": "tp_reduce_scatter",
     "c10d_functional.all_reduce": "tp_all_reduce",
-    "c10d._allgather_base_": "fsdp_all_gather",
-    "c10d.allgather_into_tensor_coalesced_": "fsdp_all_gather",
-    "c10d._reduce_scatter_base_": "fsdp_reduce_scatter",
-    "c10d.reduce_scatter_tensor_coalesced_": "fsdp_reduce_scatter",
-    "c10d.allreduce_": "scalar_all_reduce",
+    "_allgather_base_": "fsdp_all_gather",
+    "allgather_into_tensor_coalesced_": "fsdp_all_gather",
+    "_reduce_scatter_base_": "fsdp_reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "fsdp_reduce_scatter",
+    "allreduce_": "scalar_all_reduce",
 }
-# The shared-memory backend's calls, which dispatch modes see under these names (shm_backend.py).
-_KIND.update({str(op): _KIND[c10d_name] for op, c10d_name in shm_backend.DISPATCH_OPS.items()})
-_SAME_ARGS = {str(op): name for op, name in shm_backend.DISPATCH_OPS.items()}
+
+
+def _collective(func) -> str | None:
+    """c10d's name (a `_KIND` key) of the collective a dispatcher op runs, or None. The functional
+    collectives by their full name; a process group's by the op's own name in any namespace:
+    gloo's are c10d's, and a backend that shows its calls to dispatch modes names them after
+    c10d's ops with c10d's arguments (the shared-memory backend does), so counting needs no list
+    of backends."""
+    name = str(func.overloadpacket).lstrip("_")
+    if name in _KIND:
+        return name
+    op = name.rsplit(".", 1)[-1]
+    return op if op in _KIND else None
 
 
 def _nbytes(t) -> int:
@@ -35,12 +44,11 @@ def _nbytes(t) -> int:
 
 
 def _payload(name: str, args) -> int:
-    name = _SAME_ARGS.get(name, name)  # the backend's ops take c10d's arguments
     if name == "c10d_functional.all_gather_into_tensor":
         return _nbytes(args[0]) * int(args[1])  # (input shard, group_size, group)
-    if name in ("c10d._allgather_base_", "c10d.allgather_into_tensor_coalesced_"):
+    if name in ("_allgather_base_", "allgather_into_tensor_coalesced_"):
         return _nbytes(args[0])  # (output, input, ...)
-    if name in ("c10d._reduce_scatter_base_", "c10d.reduce_scatter_tensor_coalesced_"):
+    if name in ("_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_"):
         return _nbytes(args[1])
     return _nbytes(args[0])
 
@@ -50,7 +58,6 @@ class CollectiveCounter(CommDebugMode):
 
     def __init__(self):
         super().__init__()
-        self.comm_registry.update(shm_backend.DISPATCH_OPS)
         self.counts: dict[str, int] = defaultdict(int)
         self.bytes: dict[str, int] = defaultdict(int)
 
@@ -62,8 +69,10 @@ class CollectiveCounter(CommDebugMode):
         return self
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func.overloadpacket).lstrip("_")
-        if name in _KIND:
+        name = _collective(func)
+        if name is not None:
+            # CommDebugMode's own counts (`by_op`) then see a backend's ops as well.
+            self.comm_registry.add(func.overloadpacket)
             kind = _KIND[name]
             self.counts[kind] += 1
             self.bytes[kind] += _payload(name, args)
