@@ -1,9 +1,6 @@
-"""Collectives of one training step: counted with torch's CommDebugMode, sized, and compared
-with the analytic minimum of sequence-parallel TP + FSDP.
-
-Payload bytes of a collective are the size of its full (unsharded) buffer: the output of an
-all-gather, the input of a reduce-scatter, the tensor of an all-reduce. A ring moves (n-1)/n of
-that per rank.
+"""Collectives of one training step, measured: counted with torch's CommDebugMode, sized, and
+compared with the planner's prediction (`planner.comm.analytic_step`, whose kinds and payload
+convention these are: the full buffer of each collective).
 """
 
 from __future__ import annotations
@@ -13,23 +10,31 @@ from collections import defaultdict
 import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
-from hybrid2d import shm_backend
-from hybrid2d.config import ModelConfig
-
-# op name (as CommDebugMode reports it) -> (kind, which args hold the full buffer)
+# c10d's name of each collective (CommDebugMode's op name without its namespace for the process
+# group's ops) -> the kind the report files it under.
 _KIND = {
     "c10d_functional.all_gather_into_tensor": "tp_all_gather",
     "c10d_functional.reduce_scatter_tensor": "tp_reduce_scatter",
     "c10d_functional.all_reduce": "tp_all_reduce",
-    "c10d._allgather_base_": "fsdp_all_gather",
-    "c10d.allgather_into_tensor_coalesced_": "fsdp_all_gather",
-    "c10d._reduce_scatter_base_": "fsdp_reduce_scatter",
-    "c10d.reduce_scatter_tensor_coalesced_": "fsdp_reduce_scatter",
-    "c10d.allreduce_": "scalar_all_reduce",
+    "_allgather_base_": "fsdp_all_gather",
+    "allgather_into_tensor_coalesced_": "fsdp_all_gather",
+    "_reduce_scatter_base_": "fsdp_reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "fsdp_reduce_scatter",
+    "allreduce_": "scalar_all_reduce",
 }
-# The shared-memory backend's calls, which dispatch modes see under these names (shm_backend.py).
-_KIND.update({str(op): _KIND[c10d_name] for op, c10d_name in shm_backend.DISPATCH_OPS.items()})
-_SAME_ARGS = {str(op): name for op, name in shm_backend.DISPATCH_OPS.items()}
+
+
+def _collective(func) -> str | None:
+    """c10d's name (a `_KIND` key) of the collective a dispatcher op runs, or None. The functional
+    collectives by their full name; a process group's by the op's own name in any namespace:
+    gloo's are c10d's, and a backend that shows its calls to dispatch modes names them after
+    c10d's ops with c10d's arguments (the shared-memory backend does), so counting needs no list
+    of backends."""
+    name = str(func.overloadpacket).lstrip("_")
+    if name in _KIND:
+        return name
+    op = name.rsplit(".", 1)[-1]
+    return op if op in _KIND else None
 
 
 def _nbytes(t) -> int:
@@ -39,12 +44,11 @@ def _nbytes(t) -> int:
 
 
 def _payload(name: str, args) -> int:
-    name = _SAME_ARGS.get(name, name)  # the backend's ops take c10d's arguments
     if name == "c10d_functional.all_gather_into_tensor":
         return _nbytes(args[0]) * int(args[1])  # (input shard, group_size, group)
-    if name in ("c10d._allgather_base_", "c10d.allgather_into_tensor_coalesced_"):
+    if name in ("_allgather_base_", "allgather_into_tensor_coalesced_"):
         return _nbytes(args[0])  # (output, input, ...)
-    if name in ("c10d._reduce_scatter_base_", "c10d.reduce_scatter_tensor_coalesced_"):
+    if name in ("_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_"):
         return _nbytes(args[1])
     return _nbytes(args[0])
 
@@ -54,7 +58,6 @@ class CollectiveCounter(CommDebugMode):
 
     def __init__(self):
         super().__init__()
-        self.comm_registry.update(shm_backend.DISPATCH_OPS)
         self.counts: dict[str, int] = defaultdict(int)
         self.bytes: dict[str, int] = defaultdict(int)
 
@@ -66,8 +69,10 @@ class CollectiveCounter(CommDebugMode):
         return self
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func.overloadpacket).lstrip("_")
-        if name in _KIND:
+        name = _collective(func)
+        if name is not None:
+            # CommDebugMode's own counts (`by_op`) then see a backend's ops as well.
+            self.comm_registry.add(func.overloadpacket)
             kind = _KIND[name]
             self.counts[kind] += 1
             self.bytes[kind] += _payload(name, args)
@@ -79,59 +84,6 @@ class CollectiveCounter(CommDebugMode):
             "counts": dict(self.counts),
             "bytes": dict(self.bytes),
         }
-
-
-def _pad(rows: int, ways: int) -> int:
-    """FSDP2 pads dim 0 of each parameter to a multiple of the shard count."""
-    return -(-rows // ways) * ways
-
-
-def analytic_step(
-    m: ModelConfig,
-    dp: int,
-    tp: int,
-    local_batch: int,
-    seq_len: int,
-    micro_batches: int = 1,
-    reshard_after_forward: bool = True,
-    elt: int = 4,
-) -> dict:
-    """Collectives per rank per optimizer step: {kind: (count, payload bytes)}.
-
-    Minimum for Megatron-SP TP + FSDP, plus the small extras our loop needs (listed apart):
-    - tp_all_gather / tp_reduce_scatter: activations [b, s, d] at every SP <-> TP boundary:
-      per block 2 gathers + 2 reduce-scatters forward and the mirror image backward; the
-      vocab-parallel embedding (reduce-scatter fwd, gather bwd) and the output projection
-      (gather fwd, reduce-scatter bwd).
-    - fsdp_all_gather: each unit's parameters forward, again in backward for resharded units
-      (the last block and the root stay gathered); fsdp_reduce_scatter: each unit's gradients.
-    - extras: tp_all_reduce = 3 for loss parallel (max, sum of exp, target logit over [b*s])
-      and one per sequence-parallel norm weight (its gradient is a partial sum over tp);
-      scalar_all_reduce = the global grad norm and the logged loss.
-    """
-    per_micro: dict[str, tuple[int, int]] = {}
-    b = local_batch // micro_batches
-    if tp > 1:
-        n = 4 * m.n_layers + 2
-        per_micro["tp_all_gather"] = (n, n * b * seq_len * m.dim * elt)
-        per_micro["tp_reduce_scatter"] = per_micro["tp_all_gather"]
-        norms = 2 * m.n_layers + 1
-        per_micro["tp_all_reduce"] = (3 + norms, (3 * b * seq_len + norms * m.dim) * elt)
-    if dp > 1:
-        q, kv, ffn = m.n_heads * m.head_dim // tp, m.n_kv_heads * m.head_dim // tp, m.ffn_dim // tp
-        rows = [(q, m.dim), (kv, m.dim), (kv, m.dim), (m.dim, q)]
-        rows += [(ffn, m.dim), (ffn, m.dim), (m.dim, ffn), (m.dim, 1), (m.dim, 1)]
-        block = sum(_pad(r, dp) * c for r, c in rows) * elt
-        emb = _pad(m.vocab_size // tp, dp) * m.dim
-        root = (emb + (0 if m.tie_embeddings else emb) + _pad(m.dim, dp)) * elt
-        regather = (m.n_layers - 1) if reshard_after_forward else 0
-        gathers = m.n_layers + regather
-        per_micro["fsdp_all_gather"] = (gathers + 1, gathers * block + root)
-        per_micro["fsdp_reduce_scatter"] = (m.n_layers + 1, m.n_layers * block + root)
-    out = {k: (c * micro_batches, size * micro_batches) for k, (c, size) in per_micro.items()}
-    if dp * tp > 1:
-        out["scalar_all_reduce"] = (2, 12) if dp > 1 else (1, 8)
-    return {k: v for k, v in out.items() if v[0]}
 
 
 MINIMUM_KINDS = ("tp_all_gather", "tp_reduce_scatter", "fsdp_all_gather", "fsdp_reduce_scatter")

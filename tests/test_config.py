@@ -518,7 +518,7 @@ def test_a_run_whose_planned_peak_exceeds_the_hosts_memory_is_refused_before_bui
     batch = ["--train.global_batch", "8192", "--train.micro_batch", "8192"]
     cfg = recipes.get("llama-debug")
     apply_overrides(cfg, batch)
-    from hybrid2d.profiling.estimate import MeshShape, estimate
+    from hybrid2d.planner.memory import MeshShape, estimate
 
     assert estimate(cfg, MeshShape(1, 1, 1), target="cpu").peak > ram  # the premise
     line = error_line(run_cli(*batch, "--train.steps", "1", timeout=120))

@@ -88,6 +88,18 @@ def test_rooms_import_only_what_they_may():
     assert not bad, "\n".join(bad)
 
 
+def test_only_mesh_names_the_transport():
+    """The transport is chosen once, in mesh.py: no other room imports the shared-memory backend
+    (counting collectives recognises its ops without it, comm_report.py)."""
+    naming = sorted(
+        f"{m} imports {t}"
+        for m, imports in GRAPH.items()
+        for t, _ in imports
+        if room(t) == "shm_backend" and room(m) not in ("shm_backend", "mesh")
+    )
+    assert not naming, "\n".join(naming)
+
+
 def test_no_hybrid2d_import_inside_a_function():
     hidden = [f"{m} imports {t} inside a function" for m, i in GRAPH.items() for t, f in i if f]
     assert not hidden, "\n".join(hidden)

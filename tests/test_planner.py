@@ -2,6 +2,7 @@
 
 import dataclasses
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -12,16 +13,15 @@ import time
 import pytest
 
 from hybrid2d import recipes
-from hybrid2d.comm_report import analytic_step
 from hybrid2d.config import ConfigError, JobConfig, ModelConfig
 from hybrid2d.metrics import flops_per_token
 from hybrid2d.parallel.activation_checkpoint import MODES
 from hybrid2d.planner import Hardware, Link, best_plan, hardware, plan, predict
 from hybrid2d.planner.calibrate import fit_latency_bandwidth
+from hybrid2d.planner.comm import analytic_step, unit_bytes
+from hybrid2d.planner.memory import MeshShape, compute_dtype_bytes, estimate
 from hybrid2d.planner.model import flops as planner_flops
-from hybrid2d.planner.model import unit_bytes
 from hybrid2d.planner.search import param_count
-from hybrid2d.profiling.estimate import MeshShape, compute_dtype_bytes, estimate
 from tests.launch import REPO, launcher_env, retry_if_port_taken
 
 
@@ -432,6 +432,40 @@ def test_unit_bytes_add_up_to_the_analytic_step():
     block, root = unit_bytes(m, 8, 2, 2)
     step = analytic_step(m, 8, 2, 8, 1, elt=2)
     assert m.n_layers * block + root == step["fsdp_reduce_scatter"][1]
+
+
+def _padded_units(m: ModelConfig, dp: int, tp: int, elt: int) -> tuple[int, int]:
+    """(block, root) gathered FSDP bytes written from the shape: every TP-local weight padded to
+    a multiple of dp rows (o and down are split on their columns, the norms not at all)."""
+
+    def pad(rows):
+        return -(-rows // dp) * dp
+
+    q, kv, ffn = m.n_heads * m.head_dim // tp, m.n_kv_heads * m.head_dim // tp, m.ffn_dim // tp
+    rows = [(q, m.dim), (kv, m.dim), (kv, m.dim), (m.dim, q)]
+    rows += [(ffn, m.dim), (ffn, m.dim), (m.dim, ffn), (m.dim, 1), (m.dim, 1)]
+    heads = 1 if m.tie_embeddings else 2
+    root = heads * pad(m.vocab_size // tp) * m.dim + pad(m.dim)
+    return sum(pad(r) * c for r, c in rows) * elt, root * elt
+
+
+@pytest.mark.parametrize("recipe", ["llama-debug", "llama3.2-1b", "llama3.1-8b", "odd"])
+def test_unit_bytes_are_each_units_padded_shards(recipe):
+    """One formula for a unit's FSDP bytes (planner.comm, from the memory estimate's shards):
+    unchanged from the closed form analytic_step used to carry, on a grid of shapes and meshes
+    that do and do not divide the rows."""
+    if recipe == "odd":
+        m = ModelConfig(dim=96, n_layers=3, n_heads=6, n_kv_heads=2, ffn_dim=250, vocab_size=1002)
+    else:
+        m = recipes.get(recipe).model
+    for dp, tp, elt in itertools.product([2, 3, 8, 12], [1, 2], [2, 4]):
+        assert unit_bytes(m, dp, tp, elt) == _padded_units(m, dp, tp, elt), (dp, tp, elt)
+        block, root = _padded_units(m, dp, tp, elt)
+        for reshard in (True, False):
+            step = analytic_step(m, dp, tp, 8, 16, 2, reshard, elt=elt)
+            gathers = m.n_layers + (m.n_layers - 1 if reshard else 0)
+            assert step["fsdp_all_gather"] == (2 * (gathers + 1), 2 * (gathers * block + root))
+    assert unit_bytes(m, 1, 2, 4) == (0, 0)
 
 
 @pytest.mark.parametrize(

@@ -390,7 +390,7 @@ def main(argv=None) -> int:
             runs = measure(dp, tp, args, model_dir)
             results[mesh] = summarize(runs, args, model)
             if args.comm:
-                from hybrid2d.comm_report import analytic_step
+                from hybrid2d.planner.comm import analytic_step
 
                 local = args.global_batch // dp
                 results[mesh]["comm"] = runs["comm"]["comm"]

@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hybrid2d import recipes  # noqa: E402
 from hybrid2d.cli import OneLineParser, positive_size  # noqa: E402
 from hybrid2d.config import ConfigError, JobConfig, apply_overrides  # noqa: E402
-from hybrid2d.profiling.estimate import MeshShape, estimate, estimates_per_rank  # noqa: E402
+from hybrid2d.planner.memory import MeshShape, estimate, estimates_per_rank  # noqa: E402
 from hybrid2d.profiling.profiler import load_measured, summary_rows  # noqa: E402
 from hybrid2d.profiling.report import CATEGORIES, LABELS, Entry, Report, fmt_bytes, write  # noqa: E402
 from hybrid2d.simulate import run_subprocess  # noqa: E402

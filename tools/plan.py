@@ -10,7 +10,7 @@
 
 Candidates are every (dp_replicate, dp_shard, tp) whose product is the GPU count, x activation
 checkpointing none / selective / full, x micro batch; each gets its per-rank peak memory
-(profiling/estimate.py) and a predicted step time (hybrid2d/planner/model.py). The table lists
+(planner/memory.py) and a predicted step time (hybrid2d/planner/model.py). The table lists
 the fastest that fit first. --gpu picks a preset (h100, h200, a100-80gb, b200, cpu);
 --hardware FILE.json reads a profile (as --calibrate writes it). --validate measures every
 candidate of a small model on this machine with alternating runs (as tools/bench.py does) and
@@ -37,6 +37,7 @@ from hybrid2d.cli import OneLineParser, positive_size  # noqa: E402
 from hybrid2d.config import ConfigError, JobConfig, ModelConfig, apply_overrides  # noqa: E402
 from hybrid2d.metrics import flops_per_token  # noqa: E402
 from hybrid2d.planner import hardware as hwlib  # noqa: E402
+from hybrid2d.planner.memory import MeshShape  # noqa: E402
 from hybrid2d.planner.model import DEFAULT_HEADROOM, predict  # noqa: E402
 from hybrid2d.planner.search import (  # noqa: E402
     accelerate_config,
@@ -46,7 +47,6 @@ from hybrid2d.planner.search import (  # noqa: E402
     param_count,
     plan,
 )
-from hybrid2d.profiling.estimate import MeshShape  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(REPO, "docs", "planner.md")

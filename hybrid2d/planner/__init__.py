@@ -1,10 +1,11 @@
 """Choose the mesh: predicted step time and memory of every configuration of a job on a cluster.
 
-`hardware.py` holds the device profiles (vendor figures with their sources, achieved fractions
-as stated assumptions or calibrated measurements), `model.py` prices one configuration with the
-project's own pieces (estimate.py's memory, comm_report's collectives, metrics' FLOPs),
-`search.py` enumerates and ranks the candidates, `calibrate.py` measures a machine. The command
-line is tools/plan.py; docs/planner.md has the model and its validation.
+The planner owns every prediction: `memory.py` the memory of one rank, `comm.py` the
+collectives of one step, `model.py` the step time, which prices those two and metrics' FLOPs on
+`hardware.py`'s device profiles (vendor figures with their sources, achieved fractions as stated
+assumptions or calibrated measurements); `search.py` enumerates and ranks the candidates,
+`calibrate.py` measures a machine. What a run measures is `profiling/`'s and `comm_report.py`'s.
+The command line is tools/plan.py; docs/planner.md has the model and its validation.
 
     from hybrid2d.planner import best_plan, predict, hardware
     best = best_plan(cfg, world_size=64, gpus_per_node=8, hardware=hardware.get("h100"))

@@ -50,13 +50,13 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from hybrid2d.comm_report import analytic_step
 from hybrid2d.config import ConfigError, JobConfig, ModelConfig
 from hybrid2d.models.llama import DecoderLayer, Llama
 from hybrid2d.parallel.sequence_comm import all_gather_dim0
 from hybrid2d.planner import hardware as hwlib
 from hybrid2d.planner import model as cost
 from hybrid2d.planner import ops
+from hybrid2d.planner.comm import analytic_step, unit_bytes
 from hybrid2d.planner.hardware import KINDS, Hardware, Link, ring_factor
 
 # Keeps a CPU calibration short: token counts above this are measured at this many tokens
@@ -344,8 +344,8 @@ def fsdp_block_overhead(raw: dict, m: ModelConfig, hw: Hardware) -> float:
     W, S, threads = raw["fsdp_block_dp"], raw["seq_len"], cores_measured(raw, hw)
     priced = priced_block(m, hw, S, S, 1, threads)
     priced += hw.residual_per_block(S, 1) / threads
-    gathered, _ = cost.unit_bytes(m, W, 1, _elt(hw))
-    reduced, _ = cost.unit_bytes(m, W, 1, 4)
+    gathered, _ = unit_bytes(m, W, 1, _elt(hw))
+    reduced, _ = unit_bytes(m, W, 1, 4)
     priced += hw.intra.seconds("all_gather", W, 2 * gathered, 2)
     priced += hw.intra.seconds("reduce_scatter", W, reduced, 1)
     priced += 2 * (2 * gathered + reduced) / (hw.elementwise_bandwidth(S) * threads)
@@ -622,7 +622,7 @@ def _measure(cfg: JobConfig, device: torch.device, world: int, threads: int) -> 
     together()
 
     if world > 1:
-        block, root = cost.unit_bytes(m, world, 1, 4)
+        block, root = unit_bytes(m, world, 1, 4)
         acts = [n * m.dim * c for n in tokens]
         sizes = sorted({min(s, 64 << 20) for s in [*acts, block, root, 1 << 16]})
         # The trainer's process group: on CPU the shared-memory backend where it is available

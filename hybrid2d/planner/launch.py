@@ -10,9 +10,9 @@ from hybrid2d.launcher import LAUNCHER_MESH_ENV, launched_mesh_env
 from hybrid2d.layout import RunLayout
 from hybrid2d.planner import hardware as profiles
 from hybrid2d.planner.hardware import Hardware
+from hybrid2d.planner.memory import MeshShape
 from hybrid2d.planner.model import PLANNED, Candidate, predict
 from hybrid2d.planner.search import best_plan
-from hybrid2d.profiling.estimate import MeshShape
 
 
 def profile_for(setting: str, device_type: str) -> Hardware:

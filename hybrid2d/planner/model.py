@@ -1,8 +1,8 @@
 """Predicted step time and memory of one configuration: the project's exact pieces, priced.
 
 The pieces are the project's own, called as they are, never re-derived:
-- memory: `profiling.estimate.estimate` for the same job and mesh (rank 0, the largest shard);
-- collectives: `comm_report.analytic_step` (counts and payload bytes of one step), all-gathers
+- memory: `memory.estimate` for the same job and mesh (rank 0, the largest shard);
+- collectives: `comm.analytic_step` (counts and payload bytes of one step), all-gathers
   and tp collectives in the compute dtype, FSDP's reduce-scatters in fp32 (its reduce dtype);
 - FLOPs: `metrics.flops_per_token` (the MFU numerator); its attention part is
   `flops_per_token(m, S) - flops_per_token(m, 0)`.
@@ -58,12 +58,12 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from hybrid2d.comm_report import analytic_step
 from hybrid2d.config import ConfigError, JobConfig, ModelConfig
 from hybrid2d.metrics import flops_per_token
 from hybrid2d.planner import ops
+from hybrid2d.planner.comm import analytic_step, unit_bytes
 from hybrid2d.planner.hardware import KINDS, Hardware, Link
-from hybrid2d.profiling.estimate import (
+from hybrid2d.planner.memory import (
     MeshShape,
     compute_dtype_bytes,
     estimate,
@@ -94,7 +94,7 @@ class Candidate:
     activation_checkpoint: str
     micro_batch: int  # samples per forward/backward on a dp rank (the per-rank batch: none)
     fits: bool
-    peak_gib: float  # estimate.py's per-rank peak
+    peak_gib: float  # memory.py's per-rank peak
     step_s: float
     tokens_per_s_per_gpu: float
     mfu: float
@@ -204,17 +204,6 @@ def head_elementwise_bytes(m: ModelConfig, tokens: int, tp: int, c: int) -> floa
     norm = 3 * tokens / tp * m.dim * norm_bytes_per_element(c)
     embedding = 3 * tokens * m.dim * c + m.vocab_size / tp * m.dim * c
     return cast + cross_entropy + norm + embedding
-
-
-def unit_bytes(m: ModelConfig, dp_shard: int, tp: int, elt: int) -> tuple[int, int]:
-    """(one block's, the root's) gathered FSDP payload in bytes, from `analytic_step` on one- and
-    two-block variants of the model (a block adds one block's reduce-scatter)."""
-    if dp_shard <= 1:
-        return 0, 0
-    one = analytic_step(dataclasses.replace(m, n_layers=1), dp_shard, tp, 1, 1, elt=elt)
-    two = analytic_step(dataclasses.replace(m, n_layers=2), dp_shard, tp, 1, 1, elt=elt)
-    block = two["fsdp_reduce_scatter"][1] - one["fsdp_reduce_scatter"][1]
-    return block, one["fsdp_reduce_scatter"][1] - block
 
 
 def _key(m: ModelConfig) -> tuple:

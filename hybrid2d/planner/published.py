@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 from hybrid2d import recipes
 from hybrid2d.planner import hardware as hwlib
+from hybrid2d.planner.memory import MeshShape, estimate
 from hybrid2d.planner.model import Candidate, predict
-from hybrid2d.profiling.estimate import MeshShape, estimate
 
 TORCHTITAN_2024_12 = (
     "torchtitan docs/performance.md (versions of 2024-12-23/26), "

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from hybrid2d.config import ConfigError, JobConfig
 from hybrid2d.planner.hardware import Hardware
+from hybrid2d.planner.memory import MeshShape
 from hybrid2d.planner.model import (
     DEFAULT_HEADROOM,
     Candidate,
@@ -20,7 +21,6 @@ from hybrid2d.planner.model import (
     predict_valid,
     variant,
 )
-from hybrid2d.profiling.estimate import MeshShape
 
 CHECKPOINTING = ("none", "selective", "full")
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid2d.config import resolve_mixed_precision
-from hybrid2d.profiling.estimate import GiB, MeshShape, estimates_per_rank
+from hybrid2d.planner.memory import GiB, MeshShape, estimates_per_rank
 from hybrid2d.profiling.measure import CATEGORIES, measure_step
 from hybrid2d.profiling.report import Entry, Report, write
 

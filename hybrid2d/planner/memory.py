@@ -35,7 +35,7 @@ so does the last block (the trainer does not reshard it after forward).
 The peak is the largest total over the moments a step passes through: the loss (all
 activations saved, logits' transients), the last block's backward, the end of backward (the
 embedding's gradient) and the optimizer step. The model was derived from, and is checked
-against, `measure.MemoryTracker` on CPU (tests/test_memory.py).
+against, `profiling.measure.MemoryTracker` on CPU (tests/test_memory.py).
 """
 
 from __future__ import annotations

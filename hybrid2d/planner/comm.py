@@ -1,0 +1,71 @@
+"""Collectives of one training step, predicted: how many each rank issues and their payload
+bytes, for sequence-parallel TP + FSDP2. The planner prices these; `comm_report.py` counts the
+same kinds in a real step and compares (tests/test_comm_report.py checks both against a formula
+written from the model's shape).
+
+Payload bytes of a collective are the size of its full (unsharded) buffer: the output of an
+all-gather, the input of a reduce-scatter, the tensor of an all-reduce. A ring moves (n-1)/n of
+that per rank.
+"""
+
+from __future__ import annotations
+
+from hybrid2d.config import ModelConfig
+from hybrid2d.planner.memory import fsdp_shard, model_params, tp_local_shape
+
+
+def unit_bytes(m: ModelConfig, dp_shard: int, tp: int, elt: int) -> tuple[int, int]:
+    """(one block's, the root's) gathered FSDP payload in bytes: each unit's TP-local
+    parameters, padded on dim 0 to a multiple of dp_shard as FSDP2 pads them (the memory
+    estimate counts the same shards). (0, 0) when FSDP does not shard (dp_shard 1)."""
+    if dp_shard <= 1:
+        return 0, 0
+    gathered = {0: 0, -1: 0}
+    for p in model_params(m):
+        if p.unit in gathered:
+            padded, _ = fsdp_shard(tp_local_shape(p, tp), dp_shard, 0)
+            gathered[p.unit] += padded * dp_shard * elt
+    return gathered[0], gathered[-1]
+
+
+def analytic_step(
+    m: ModelConfig,
+    dp: int,
+    tp: int,
+    local_batch: int,
+    seq_len: int,
+    micro_batches: int = 1,
+    reshard_after_forward: bool = True,
+    elt: int = 4,
+) -> dict:
+    """Collectives per rank per optimizer step: {kind: (count, payload bytes)}.
+
+    Minimum for Megatron-SP TP + FSDP, plus the small extras our loop needs (listed apart):
+    - tp_all_gather / tp_reduce_scatter: activations [b, s, d] at every SP <-> TP boundary:
+      per block 2 gathers + 2 reduce-scatters forward and the mirror image backward; the
+      vocab-parallel embedding (reduce-scatter fwd, gather bwd) and the output projection
+      (gather fwd, reduce-scatter bwd).
+    - fsdp_all_gather: each unit's parameters forward, again in backward for resharded units
+      (the last block and the root stay gathered); fsdp_reduce_scatter: each unit's gradients.
+    - extras: tp_all_reduce = 3 for loss parallel (max, sum of exp, target logit over [b*s])
+      and one per sequence-parallel norm weight (its gradient is a partial sum over tp);
+      scalar_all_reduce = the global grad norm and the logged loss.
+    """
+    per_micro: dict[str, tuple[int, int]] = {}
+    b = local_batch // micro_batches
+    if tp > 1:
+        n = 4 * m.n_layers + 2
+        per_micro["tp_all_gather"] = (n, n * b * seq_len * m.dim * elt)
+        per_micro["tp_reduce_scatter"] = per_micro["tp_all_gather"]
+        norms = 2 * m.n_layers + 1
+        per_micro["tp_all_reduce"] = (3 + norms, (3 * b * seq_len + norms * m.dim) * elt)
+    if dp > 1:
+        block, root = unit_bytes(m, dp, tp, elt)
+        regather = (m.n_layers - 1) if reshard_after_forward else 0
+        gathers = m.n_layers + regather
+        per_micro["fsdp_all_gather"] = (gathers + 1, gathers * block + root)
+        per_micro["fsdp_reduce_scatter"] = (m.n_layers + 1, m.n_layers * block + root)
+    out = {k: (c * micro_batches, size * micro_batches) for k, (c, size) in per_micro.items()}
+    if dp * tp > 1:
+        out["scalar_all_reduce"] = (2, 12) if dp > 1 else (1, 8)
+    return {k: v for k, v in out.items() if v[0]}
