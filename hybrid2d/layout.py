@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 
 from hybrid2d.config import ConfigError, JobConfig, ModelConfig
+
+# The mesh's dimensions, outermost first (tp innermost: contiguous ranks, inside a node).
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 
 
 def divisors(n: int) -> list[int]:
@@ -82,7 +86,9 @@ class RunLayout:
             "parallel.dp_shard": self.dp_shard,
             "parallel.tp": self.tp,
             "parallel.activation_checkpoint": self.activation_checkpoint,
-            "train.micro_batch": self.micro_batch,
+            # 0 is the setting's word for the whole per-rank batch, which stays right on a
+            # mesh of another dp size (a resume, a memory report of another mesh).
+            "train.micro_batch": self.micro_batch if self.n_micro > 1 else 0,
             "data.tokenizer": self.tokenizer,
             **{f"model.{k}": v for k, v in dataclasses.asdict(self.model).items()},
         }
@@ -138,6 +144,15 @@ class RunLayout:
             tokenizer=cfg.data.tokenizer if tokenizer is None else tokenizer,
         )
 
+    @classmethod
+    def on_mesh(cls, cfg: JobConfig, mesh: str | tuple[int, int, int], **choices) -> RunLayout:
+        """cfg laid out on a mesh given as (dp_replicate, dp_shard, tp) or as text ('8x8',
+        '2x4x8'), the world being its product (a tool's --mesh, a planner's candidate)."""
+        sizes = (
+            mesh_sizes(mesh) if isinstance(mesh, str) else dict(zip(MESH_DIMS, mesh, strict=True))
+        )
+        return cls.build(cfg, math.prod(sizes.values()), **sizes, **choices)
+
     def with_choices(self, cfg: JobConfig, **choices) -> RunLayout:
         """This layout with some of its choices changed (a planner's candidate), checked again."""
         current = {
@@ -168,7 +183,7 @@ def mesh_sizes(text: str, flag: str = "--mesh") -> dict[str, int]:
         )
     if len(sizes) == 2:
         sizes = [1, *sizes]
-    return dict(zip(("dp_replicate", "dp_shard", "tp"), sizes, strict=True))
+    return dict(zip(MESH_DIMS, sizes, strict=True))
 
 
 def _dp_shard(world: int, rep: int, shard: int, tp: int) -> int:

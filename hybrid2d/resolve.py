@@ -10,8 +10,6 @@ config.json records `layout.recorded(cfg)`.
 
 from __future__ import annotations
 
-import dataclasses
-
 from hybrid2d.checkpoint.hf import source_model
 from hybrid2d.config import JobConfig
 from hybrid2d.launcher import layout_for_world
@@ -35,8 +33,6 @@ def resolve_layout(
         model, tokenizer = source_model(cfg, set_on_cli)
         source = {"tokenizer": tokenizer} | ({"model": model} if model is not None else {})
     choices, plan_line = {}, None
-    if cfg.parallel.plan == "auto":
-        # The planner prices the model that will run: the checkpoint's where there is one.
-        subject = dataclasses.replace(cfg, model=source["model"]) if "model" in source else cfg
-        choices, plan_line = auto_plan(subject, world, per_node, hw, set_on_cli)
+    if cfg.parallel.plan == "auto":  # priced for the model that will run
+        choices, plan_line = auto_plan(cfg, world, per_node, hw, set_on_cli, source.get("model"))
     return layout_for_world(cfg, set_on_cli, world, **source, **choices), plan_line

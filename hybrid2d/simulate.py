@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 from hybrid2d.config import JobConfig, resolve_mixed_precision
+from hybrid2d.layout import MESH_DIMS, RunLayout
 from hybrid2d.mesh import build_mesh
 from hybrid2d.metrics import peak_rss_bytes
 from hybrid2d.models.llama import Llama
@@ -102,28 +103,27 @@ def _noise_init():
     return unittest.mock.patch.object(Llama, "init_weights", init_weights)
 
 
-def prepare_config(cfg: JobConfig, mesh: tuple[int, int, int], target: str) -> JobConfig:
-    """The run's config on `mesh` as the target device would run it, checked like a real run."""
+def prepare_config(cfg: JobConfig, layout: RunLayout, target: str) -> tuple[JobConfig, RunLayout]:
+    """The run's settings and layout as the target device would run them, checked like a real
+    run's (a copy: the simulated run's own settings)."""
     cfg = copy.deepcopy(cfg)
-    cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.tp = mesh
     # Resolved for the target, not for this CPU.
     cfg.parallel.mixed_precision = resolve_mixed_precision(cfg.parallel.mixed_precision, target)
     cfg.parallel.compile = False  # eager: the memory model and the tracker assume it
     cfg.checkpoint.init_from = cfg.checkpoint.resume = ""
     cfg.train.device = "cpu"
-    cfg.validate(math.prod(mesh))
-    return cfg
+    return cfg, layout.with_choices(cfg)
 
 
 def simulate(
     cfg: JobConfig,
-    mesh: tuple[int, int, int],
+    layout: RunLayout,
     rank: int = 0,
     target: str = "cuda",
     skip_compute: bool = True,
     micro_batches: int = 2,
 ) -> dict:
-    """Rank `rank` of `mesh` = (dp_replicate, dp_shard, tp): a warm-up step, then a measured one.
+    """Rank `rank` of the layout's mesh: a warm-up step, then a measured one.
 
     The measured step runs min(micro_batches, per-rank batch / micro batch) micro batches: memory
     in a step with gradient accumulation is that of the second micro batch onwards (gradients
@@ -133,23 +133,22 @@ def simulate(
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     start = time.perf_counter()
-    cfg = prepare_config(cfg, mesh, target)
-    world = math.prod(mesh)
+    cfg, layout = prepare_config(cfg, layout, target)
+    world = layout.world
     torch.set_flush_denormal(True)
     torch.manual_seed(cfg.train.seed)
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:
-        m = build_mesh("cpu", *mesh)
+        m = build_mesh("cpu", layout)
         with _noise_init():
             trainer = Trainer(cfg, m)
         t = cfg.train
-        local = t.global_batch // m.dp
-        micro = t.micro_batch or local
-        n = min(micro_batches, local // micro)
+        micro = layout.micro_batch
+        n = min(micro_batches, layout.n_micro)
         gen = torch.Generator().manual_seed(rank)
 
         def batch(count: int, rows: int, seq: int):
-            v = cfg.model.vocab_size
+            v = layout.model.vocab_size
             tokens = [torch.randint(0, v, (rows, seq + 1), generator=gen) for _ in range(count)]
             return [(x[:, :-1], x[:, 1:]) for x in tokens]
 
@@ -166,7 +165,7 @@ def simulate(
     finally:
         dist.destroy_process_group()
     return {
-        "mesh": {"dp_replicate": mesh[0], "dp_shard": mesh[1], "tp": mesh[2]},
+        "mesh": dict(zip(MESH_DIMS, layout.mesh_shape, strict=True)),
         "rank": rank,
         "world_size": world,
         "target": target,
@@ -180,20 +179,22 @@ def simulate(
         "step_s": done - step_start,
         "wall_s": done - start,
         "rss_peak": peak_rss_bytes(),
-        "config": cfg.to_dict(),
+        "config": layout.recorded(cfg),
     }
 
 
 def run_subprocess(
     cfg: JobConfig,
-    mesh: tuple[int, int, int],
+    layout: RunLayout,
     rank: int = 0,
     target: str = "cuda",
     skip_compute: bool = True,
     timeout: float | None = None,
 ) -> dict:
     """`simulate` in a fresh Python process; returns its result (raises with its stderr)."""
-    spec = {"config": cfg.to_dict(), "mesh": list(mesh), "rank": rank, "target": target}
+    # The layout travels as the settings that ask for it (its values in the settings' places).
+    spec = {"config": layout.recorded(cfg), "mesh": list(layout.mesh_shape)}
+    spec |= {"rank": rank, "target": target}
     spec["skip_compute"] = skip_compute
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     # A launcher's rank variables (the caller may be a rank itself) are not the simulation's.
@@ -212,7 +213,7 @@ def run_subprocess(
         )
         if proc.returncode != 0:
             raise RuntimeError(
-                f"simulation of mesh {mesh} rank {rank} failed ({proc.returncode}):\n"
+                f"simulation of mesh {layout} rank {rank} failed ({proc.returncode}):\n"
                 f"{proc.stderr[-4000:]}"
             )
         with open(out) as f:
@@ -223,7 +224,8 @@ def main(argv: list[str]) -> int:
     """OUT.json: the result of `simulate` for the spec (run_subprocess's) read from stdin."""
     (out_path,) = argv
     spec = json.load(sys.stdin)
-    result = simulate(JobConfig.from_dict(spec.pop("config")), tuple(spec.pop("mesh")), **spec)
+    cfg = JobConfig.from_dict(spec.pop("config"))
+    result = simulate(cfg, RunLayout.on_mesh(cfg, tuple(spec.pop("mesh"))), **spec)
     with open(out_path, "w") as f:
         json.dump(result, f, indent=2)
     return 0

@@ -18,7 +18,8 @@ from torch import nn
 
 from hybrid2d import recipes
 from hybrid2d.config import ConfigError
-from hybrid2d.planner.memory import MeshShape, estimate, fsdp_shard
+from hybrid2d.layout import RunLayout, mesh_sizes
+from hybrid2d.planner.memory import estimate, fsdp_shard
 from hybrid2d.profiling.measure import MemoryTracker, storage_bytes
 from hybrid2d.profiling.report import Entry, Report, html_page, write
 from hybrid2d.simulate import run_subprocess
@@ -43,14 +44,15 @@ def mib(n: float) -> str:
 
 
 def test_mesh_and_size_parsing():
-    assert MeshShape.parse("8x8") == MeshShape(1, 8, 8)
-    assert MeshShape.parse("2x4x8") == MeshShape(2, 4, 8)
-    assert MeshShape(2, 4, 8).coords(13) == (0, 1, 5)
+    assert mesh_sizes("8x8") == {"dp_replicate": 1, "dp_shard": 8, "tp": 8}
+    assert mesh_sizes("2x4x8") == {"dp_replicate": 2, "dp_shard": 4, "tp": 8}
+    big = recipes.get("llama3.1-70b")
+    assert RunLayout.on_mesh(big, "2x4x8").coords(13) == (0, 1, 5)
     assert parse_size("80GiB") == 80 * 2**30 and parse_size("80GB") == 80 * 10**9
     assert parse_size("512MiB") == 2**29
     for bad in ("8", "8x0", "axb"):
         with pytest.raises(ConfigError, match="--mesh"):
-            MeshShape.parse(bad)
+            mesh_sizes(bad)
     with pytest.raises(ConfigError, match="--device-memory"):
         parse_size("lots", "--device-memory")
 
@@ -113,7 +115,7 @@ def test_tracker_peak_equals_torch_mem_tracker():
 def _fake_report(tmp_path):
 
     cfg = recipes.get("llama-debug")
-    mesh = MeshShape(1, 2, 2)
+    mesh = RunLayout.on_mesh(cfg, (1, 2, 2))
     ests = [estimate(cfg, mesh, r, "cpu").to_dict() for r in range(4)]
     measured = []
     for r, e in enumerate(ests):
@@ -133,7 +135,7 @@ def _fake_report(tmp_path):
     entry = Entry("2x2", ests[0], ests, sim, measured, device_memory=2**27, headroom=0.1)
     other = Entry(
         "4x1 <&>",
-        estimate(cfg, MeshShape(1, 4, 1), 0, "cpu").to_dict(),
+        estimate(cfg, RunLayout.on_mesh(cfg, (1, 4, 1)), 0, "cpu").to_dict(),
         device_memory=2**27,
         headroom=0.1,
     )
@@ -269,7 +271,7 @@ def test_tracker_matches_fsdp_mem_tracker_and_state_is_exact(tmp_path_factory, d
     cfg = config(dp, tp)
     for rank, res in enumerate(measured(tmp_path_factory, dp, tp)):
         m = res["steps"][-1]  # steady state: optimizer state exists
-        est = estimate(cfg, MeshShape(1, dp, tp), rank, "cpu")
+        est = estimate(cfg, RunLayout.on_mesh(cfg, (1, dp, tp)), rank, "cpu")
         print(
             f"dp{dp}xtp{tp} rank {rank}: params+grads+opt "
             f"{mib(est.parameters + est.gradients + est.optimizer)}, activations measured / "
@@ -298,7 +300,7 @@ def test_estimate_matches_measured_on_llama_debug(tmp_path_factory, dp, tp, ac):
     cfg = config(dp, tp, ac)
     for rank, res in enumerate(measured(tmp_path_factory, dp, tp, ac)):
         m = res["steps"][-1]
-        est = estimate(cfg, MeshShape(1, dp, tp), rank, "cpu")
+        est = estimate(cfg, RunLayout.on_mesh(cfg, (1, dp, tp)), rank, "cpu")
         # README: estimate and measurement agree within 0.1% (an estimate that forgot the
         # logits, or any activation of a block, is off by more than that).
         assert rel(est.activations, m["activations"]) <= ESTIMATE_REL, (rank, est, m)
@@ -311,7 +313,13 @@ def test_simulated_2x2_matches_real_4_process_run(tmp_path_factory):
 
     real = measured(tmp_path_factory, 2, 2)
     for rank in (0, 3):
-        sim = run_subprocess(config(2, 2), (1, 2, 2), rank=rank, target="cpu", timeout=600)
+        sim = run_subprocess(
+            config(2, 2),
+            RunLayout.on_mesh(config(2, 2), (1, 2, 2)),
+            rank=rank,
+            target="cpu",
+            timeout=600,
+        )
         s, m = sim["memory"], real[rank]["steps"][-1]
         assert sim["world_size"] == 4 and sim["skip_compute"]
         print(
@@ -333,8 +341,10 @@ def test_estimate_is_exact_with_uneven_fsdp_shards():
     cfg.train.global_batch = 6
     got = {}
     for rank in (0, 5):
-        sim = run_subprocess(cfg, (1, 3, 2), rank=rank, target="cpu", timeout=600)["memory"]
-        est = estimate(cfg, MeshShape(1, 3, 2), rank, "cpu")
+        sim = run_subprocess(
+            cfg, RunLayout.on_mesh(cfg, (1, 3, 2)), rank=rank, target="cpu", timeout=600
+        )["memory"]
+        est = estimate(cfg, RunLayout.on_mesh(cfg, (1, 3, 2)), rank, "cpu")
         got[rank] = (est.parameters, est.gradients, est.optimizer)
         assert got[rank] == (sim["parameters"], sim["gradients"], sim["optimizer"]), rank
     assert got[0][:2] == got[5][:2] and got[5][2] < got[0][2]
@@ -396,7 +406,7 @@ def test_trainer_profile_memory_writes_json_tensorboard_and_report(tmp_path):
     last = ranks[0]["steps"][-1]
 
     cfg = recipes.get("llama-debug")
-    est = estimate(cfg, MeshShape(1, 1, 2), 0, "cpu")
+    est = estimate(cfg, RunLayout.on_mesh(cfg, (1, 1, 2)), 0, "cpu")
     assert (last["parameters"], last["optimizer"]) == (est.parameters, est.optimizer)
     assert last["rss"] > last["peak"] > 0
 
@@ -460,7 +470,9 @@ def test_compiled_block_keeps_what_the_estimate_counts(tmp_path, tp, ac, dtype):
         cfg.train.seq_len, cfg.train.global_batch, cfg.train.micro_batch = 256, 2, 2
         cfg.parallel.compile, cfg.parallel.activation_checkpoint = True, ac
         cfg.parallel.mixed_precision = dtype
-        return estimate(cfg, MeshShape(1, 1, tp), target="cpu").phases["loss"]["activations"]
+        return estimate(cfg, RunLayout.on_mesh(cfg, (1, 1, tp)), target="cpu").phases["loss"][
+            "activations"
+        ]
 
     per_block = (loss_activations(2) - loss_activations(1)) / (2 * 256)
     assert per_block == pytest.approx(measured, rel=1e-3)

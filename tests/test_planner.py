@@ -9,17 +9,20 @@ import re
 import subprocess
 import sys
 import time
+import typing
 
 import pytest
 
 from hybrid2d import recipes
 from hybrid2d.config import ConfigError, JobConfig, ModelConfig
+from hybrid2d.layout import RunLayout
 from hybrid2d.metrics import flops_per_token
 from hybrid2d.parallel.activation_checkpoint import MODES
-from hybrid2d.planner import Hardware, Link, best_plan, hardware, plan, predict
+from hybrid2d.planner import Hardware, Link, best_plan, hardware, plan
+from hybrid2d.planner import predict as predict_layout
 from hybrid2d.planner.calibrate import fit_latency_bandwidth
 from hybrid2d.planner.comm import analytic_step, unit_bytes
-from hybrid2d.planner.memory import MeshShape, compute_dtype_bytes, estimate
+from hybrid2d.planner.memory import compute_dtype_bytes, estimate
 from hybrid2d.planner.model import flops as planner_flops
 from hybrid2d.planner.search import param_count
 from tests.launch import REPO, launcher_env, retry_if_port_taken
@@ -39,6 +42,27 @@ def debug_job(**train) -> JobConfig:
     return cfg
 
 
+class Mesh(typing.NamedTuple):
+    """Mesh sizes for the cases below; the planner gets them as the job's RunLayout."""
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp
+
+
+def predict(job: JobConfig, mesh: Mesh, *args, **kwargs):
+    """The planner's prediction for `job` laid out on `mesh`."""
+    return predict_layout(job, RunLayout.on_mesh(job, mesh), *args, **kwargs)
+
+
 def with_settings(cfg: JobConfig, ac: str, micro: int) -> JobConfig:
     cfg = JobConfig.from_dict(cfg.to_dict())
     cfg.parallel.activation_checkpoint = ac
@@ -48,12 +72,12 @@ def with_settings(cfg: JobConfig, ac: str, micro: int) -> JobConfig:
 
 CASES = [
     # (profile, mesh, checkpointing, micro batch, gpus per node)
-    ("h100", MeshShape(1, 4, 2), "none", 0, 8),
-    ("h100", MeshShape(1, 2, 2), "full", 1, 4),
-    ("h100", MeshShape(2, 2, 1), "selective", 2, 2),  # HSDP across two "nodes"
-    ("a100-80gb", MeshShape(1, 8, 1), "full", 0, 8),
-    ("cpu", MeshShape(1, 2, 2), "selective", 1, 4),
-    ("cpu", MeshShape(1, 1, 4), "none", 2, 4),
+    ("h100", Mesh(1, 4, 2), "none", 0, 8),
+    ("h100", Mesh(1, 2, 2), "full", 1, 4),
+    ("h100", Mesh(2, 2, 1), "selective", 2, 2),  # HSDP across two "nodes"
+    ("a100-80gb", Mesh(1, 8, 1), "full", 0, 8),
+    ("cpu", Mesh(1, 2, 2), "selective", 1, 4),
+    ("cpu", Mesh(1, 1, 4), "none", 2, 4),
 ]
 
 
@@ -72,7 +96,7 @@ def test_figures_are_the_pieces(profile, mesh, ac, micro, gpus):
             job.parallel, dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard, tp=mesh.tp
         ),
     )
-    est = estimate(on_mesh, mesh, 0, hw.target)
+    est = estimate(on_mesh, RunLayout.on_mesh(job, mesh), 0, hw.target)
     assert cand.details["peak_bytes"] == est.peak
     assert cand.peak_gib == est.peak / 2**30
 
@@ -112,7 +136,7 @@ def test_tp_sync_is_paid_once_per_tp_collective():
     for world, cores in ((2, 2), (4, 2)):
         hw = hardware.get("cpu")
         hw.host_cores = cores
-        mesh = MeshShape(1, 1, world)
+        mesh = Mesh(1, 1, world)
         base = predict(job, mesh, hw, world)
         hw.tp_sync_s = 1e-3
         synced = predict(job, mesh, hw, world)
@@ -131,7 +155,7 @@ def test_checkpoint_overhead_is_paid_per_block_and_micro_batch():
             job = with_settings(debug_job(global_batch=8), ac, micro)
             hw = hardware.get("cpu")
             hw.host_cores = cores
-            mesh = MeshShape(1, world, 1)
+            mesh = Mesh(1, world, 1)
             base = predict(job, mesh, hw, world)
             hw.checkpoint_overhead_s = {"selective": 2e-3, "full": 5e-3}
             paid = predict(job, mesh, hw, world)
@@ -147,7 +171,7 @@ def test_checkpoint_overhead_is_paid_per_block_and_micro_batch():
 def test_block_residual_is_paid_per_block_and_micro_batch():
     """A calibrated block residual adds (fixed + per token x tokens / tp) per block and micro
     batch to compute (x ranks / cores when ranks outnumber cores), whatever the checkpointing."""
-    for world, cores, mesh in ((2, 2, MeshShape(1, 2, 1)), (4, 2, MeshShape(1, 2, 2))):
+    for world, cores, mesh in ((2, 2, Mesh(1, 2, 1)), (4, 2, Mesh(1, 2, 2))):
         for ac, micro in (("none", 1), ("full", 2)):
             job = with_settings(debug_job(global_batch=8), ac, micro)
             hw = hardware.get("cpu")
@@ -166,7 +190,7 @@ def test_block_residual_is_paid_per_block_and_micro_batch():
 def test_tp_block_overhead_is_paid_only_with_tp():
     """The calibrated cost of a tp-sharded block's parallel forward adds overhead x layers x
     micro batches to tp comm (x ranks / cores when ranks outnumber cores), and nothing at tp 1."""
-    for world, cores, mesh in ((2, 2, MeshShape(1, 1, 2)), (4, 2, MeshShape(1, 2, 2))):
+    for world, cores, mesh in ((2, 2, Mesh(1, 1, 2)), (4, 2, Mesh(1, 2, 2))):
         job = with_settings(debug_job(global_batch=8), "none", 1)
         hw = hardware.get("cpu")
         hw.host_cores = cores
@@ -176,9 +200,9 @@ def test_tp_block_overhead_is_paid_only_with_tp():
         n_micro = job.train.global_batch // mesh.dp
         extra = 4e-3 * job.model.n_layers * n_micro * max(1, world / cores)
         assert paid.tp_comm_s - base.tp_comm_s == pytest.approx(extra)
-        flat = predict(job, MeshShape(1, world, 1), hw, world)
+        flat = predict(job, Mesh(1, world, 1), hw, world)
         hw.tp_block_overhead_s = 0.0
-        assert predict(job, MeshShape(1, world, 1), hw, world).step_s == flat.step_s
+        assert predict(job, Mesh(1, world, 1), hw, world).step_s == flat.step_s
 
 
 def test_crowded_tp_block_overhead_replaces_the_scaled_one_only_on_a_crowded_host():
@@ -189,10 +213,10 @@ def test_crowded_tp_block_overhead_replaces_the_scaled_one_only_on_a_crowded_hos
     job = with_settings(debug_job(global_batch=8), "none", 1)
     layers, n_micro = job.model.n_layers, job.train.global_batch // 2
     for world, mesh, crowded, expected in (
-        (4, MeshShape(1, 2, 2), {"2": 0.02}, 0.02),
-        (8, MeshShape(1, 4, 2), {"2": 0.02}, 0.04),  # twice the 4 ranks it was measured with
-        (4, MeshShape(1, 2, 2), {"4": 0.02}, 4e-3 * 2),  # tp 2 not measured: scaled
-        (2, MeshShape(1, 1, 2), {"2": 0.02}, 4e-3),  # a core per rank: not crowded
+        (4, Mesh(1, 2, 2), {"2": 0.02}, 0.02),
+        (8, Mesh(1, 4, 2), {"2": 0.02}, 0.04),  # twice the 4 ranks it was measured with
+        (4, Mesh(1, 2, 2), {"4": 0.02}, 4e-3 * 2),  # tp 2 not measured: scaled
+        (2, Mesh(1, 1, 2), {"2": 0.02}, 4e-3),  # a core per rank: not crowded
     ):
         hw = hardware.get("cpu")
         hw.host_cores, hw.tp_block_overhead_s = 2, 4e-3
@@ -206,8 +230,8 @@ def test_crowded_tp_block_overhead_replaces_the_scaled_one_only_on_a_crowded_hos
         )
     hw = hardware.get("h100")  # GPUs are never crowded
     hw.crowded_tp_block_overhead_s, hw.crowded_ranks = {"2": 1.0}, 4
-    assert predict(job, MeshShape(1, 4, 2), hw, 8).step_s == pytest.approx(
-        predict(job, MeshShape(1, 4, 2), hardware.get("h100"), 8).step_s
+    assert predict(job, Mesh(1, 4, 2), hw, 8).step_s == pytest.approx(
+        predict(job, Mesh(1, 4, 2), hardware.get("h100"), 8).step_s
     )
 
 
@@ -216,9 +240,9 @@ def test_fsdp_block_overhead_is_paid_only_with_fsdp_and_never_hidden():
     exposed FSDP comm (x ranks / cores when ranks outnumber cores), on GPU profiles too (the
     host runs it), and nothing without dp_shard."""
     for name, world, cores, mesh in (
-        ("cpu", 2, 2, MeshShape(1, 2, 1)),
-        ("cpu", 4, 2, MeshShape(1, 2, 2)),
-        ("h100", 8, None, MeshShape(1, 8, 1)),
+        ("cpu", 2, 2, Mesh(1, 2, 1)),
+        ("cpu", 4, 2, Mesh(1, 2, 2)),
+        ("h100", 8, None, Mesh(1, 8, 1)),
     ):
         job = with_settings(debug_job(global_batch=8), "none", 1)
         hw = hardware.get(name)
@@ -233,9 +257,9 @@ def test_fsdp_block_overhead_is_paid_only_with_fsdp_and_never_hidden():
     hw = hardware.get("cpu")
     hw.host_cores = 2
     job = with_settings(debug_job(global_batch=8), "none", 1)
-    flat = predict(job, MeshShape(1, 1, 2), hw, 2)
+    flat = predict(job, Mesh(1, 1, 2), hw, 2)
     hw.fsdp_block_overhead_s = 4e-3
-    assert predict(job, MeshShape(1, 1, 2), hw, 2).step_s == flat.step_s
+    assert predict(job, Mesh(1, 1, 2), hw, 2).step_s == flat.step_s
 
 
 def test_calibrated_residuals_are_the_measurement_less_the_priced_block():
@@ -325,7 +349,7 @@ def test_gpu_residuals_are_per_device_whatever_the_hosts_threads():
 def test_dispatch_is_ops_times_cost_per_op():
     """The per-op term is the step's op count x seconds per op (x ranks / cores when ranks
     outnumber the cores), serial with compute on CPU; the count is its sources' sum."""
-    for world, cores, mesh in ((2, 2, MeshShape(1, 2, 1)), (4, 2, MeshShape(1, 2, 2))):
+    for world, cores, mesh in ((2, 2, Mesh(1, 2, 1)), (4, 2, Mesh(1, 2, 2))):
         job = with_settings(debug_job(global_batch=8), "selective", 1)
         hw = hardware.get("cpu")
         hw.host_cores = cores
@@ -342,13 +366,13 @@ def test_dispatch_is_ops_times_cost_per_op():
         assert base.details["dispatch_s"] == 0.0
 
 
-def _ops(job: JobConfig, mesh: MeshShape) -> dict:
+def _ops(job: JobConfig, mesh: Mesh) -> dict:
     return predict(job, mesh, hardware.get("cpu"), mesh.world).details["ops_by_source"]
 
 
 def test_op_count_grows_with_layers_micro_batches_checkpointing_and_tp():
     job = debug_job(global_batch=8)
-    mesh = MeshShape(1, 2, 1)
+    mesh = Mesh(1, 2, 1)
     total = {ac: sum(_ops(with_settings(job, ac, 1), mesh).values()) for ac in MODES}
     assert total["full"] > total["none"] and total["selective"] > total["none"]
     one, two = (sum(_ops(with_settings(job, "none", mb), mesh).values()) for mb in (2, 1))
@@ -356,8 +380,8 @@ def test_op_count_grows_with_layers_micro_batches_checkpointing_and_tp():
     deeper = with_settings(job, "none", 1)
     deeper.model.n_layers *= 2
     assert sum(_ops(deeper, mesh).values()) > total["none"]
-    flat = _ops(with_settings(job, "none", 1), MeshShape(1, 2, 1))
-    tp = _ops(with_settings(job, "none", 1), MeshShape(1, 1, 2))
+    flat = _ops(with_settings(job, "none", 1), Mesh(1, 2, 1))
+    tp = _ops(with_settings(job, "none", 1), Mesh(1, 1, 2))
     assert flat["tp_collectives"] == 0 < tp["tp_collectives"]
     assert tp["fsdp"] == 0 < flat["fsdp"]
 
@@ -406,7 +430,7 @@ def test_profile_without_op_overhead_loads_and_prices_no_dispatch(tmp_path):
     path.write_text(json.dumps(data))
     old = hardware.load(str(path))
     assert old.op_overhead_s == 0.0
-    cand = predict(debug_job(global_batch=8), MeshShape(1, 2, 1), old, 2)
+    cand = predict(debug_job(global_batch=8), Mesh(1, 2, 1), old, 2)
     assert cand.details["dispatch_s"] == 0.0 and cand.details["ops_per_step"] > 0
 
 
@@ -414,14 +438,14 @@ def test_gpu_dispatch_is_exposed_only_beyond_kernel_time():
     """On a GPU the host runs ahead of the kernels: per-op cost shows only where it exceeds them
     (a small model at a huge per-op cost), never for a large one at the preset's."""
     big = recipes.get("llama3.1-8b")
-    cand = predict(big, MeshShape(1, 8, 1), hardware.get("h100"), 8)
+    cand = predict(big, Mesh(1, 8, 1), hardware.get("h100"), 8)
     assert cand.details["dispatch_s"] == 0.0 < cand.details["dispatch_total_s"]
     small = debug_job(global_batch=8)
     hw = hardware.get("h100")
     hw.op_overhead_s = 0.0
-    base = predict(small, MeshShape(1, 2, 1), hw, 8)
+    base = predict(small, Mesh(1, 2, 1), hw, 8)
     hw.op_overhead_s = 1e-3
-    slow = predict(small, MeshShape(1, 2, 1), hw, 8)
+    slow = predict(small, Mesh(1, 2, 1), hw, 8)
     total = slow.details["dispatch_total_s"]
     assert total == pytest.approx(slow.details["ops_per_step"] * 1e-3)
     assert slow.compute_s == pytest.approx(max(base.compute_s, total))
@@ -482,8 +506,12 @@ def test_every_candidate_passes_the_trainers_validation(recipe, nodes, gpus, hw)
             section, name = flag[2:].split(".")
             owner = getattr(job, section)
             setattr(owner, name, type(getattr(owner, name))(value))
-        mesh = job.validate(nodes * gpus)
-        assert mesh == (cand.dp_replicate, cand.dp_shard, cand.tp)
+        layout = RunLayout.build(job, nodes * gpus)
+        assert layout.mesh_shape == (cand.dp_replicate, cand.dp_shard, cand.tp)
+        assert (layout.activation_checkpoint, layout.micro_batch) == (
+            cand.activation_checkpoint,
+            cand.micro_batch,
+        )
         assert cand.tp <= gpus
     fits = [c.fits for c in result.candidates]
     assert fits == sorted(fits, reverse=True)  # fitting first
@@ -498,10 +526,10 @@ def test_rejects_tp_that_crosses_a_node_or_does_not_divide_heads():
     assert reasons[(1, 1, 16)] == "tp=16 crosses nodes (8 GPUs per node)"
     assert "parallel.tp=8 does not divide model.n_kv_heads=4" in reasons[(1, 2, 8)]
     assert all(c.tp in (1, 2, 4) for c in result.candidates)
-    with pytest.raises(ConfigError, match="tp=16 crosses nodes"):
-        predict(cfg, MeshShape(1, 1, 16), hardware.get("h100"), 8)
+    with pytest.raises(ConfigError, match=re.escape("tp=4 crosses nodes (2 GPUs per node)")):
+        predict(cfg, Mesh(1, 2, 4), hardware.get("h100"), 2)
     with pytest.raises(ConfigError, match="model.n_kv_heads=4"):
-        predict(cfg, MeshShape(1, 1, 8), hardware.get("h100"), 8)
+        predict(cfg, Mesh(1, 1, 8), hardware.get("h100"), 8)
     odd = recipes.get("llama-debug")
     odd.model = dataclasses.replace(odd.model, n_heads=6, n_kv_heads=6, dim=384)
     reasons = {r.tp: r.reason for r in plan(odd, 4, 4, hardware.get("h100")).rejected}
@@ -540,8 +568,8 @@ def test_more_memory_pressure_is_reported_and_ranked_last():
 def test_inter_node_fsdp_costs_more_than_nvlink():
     cfg = debug_job(global_batch=16)
     hw = hardware.get("h100")
-    inside = predict(cfg, MeshShape(1, 8, 1), hw, 8)
-    across = predict(cfg, MeshShape(1, 8, 1), hw, 4)  # the same group over two nodes
+    inside = predict(cfg, Mesh(1, 8, 1), hw, 8)
+    across = predict(cfg, Mesh(1, 8, 1), hw, 4)  # the same group over two nodes
     assert inside.details["fsdp_link"] == "intra" and across.details["fsdp_link"] == "inter"
     assert across.details["fsdp_total_s"] > inside.details["fsdp_total_s"]
 
@@ -576,7 +604,7 @@ def test_every_h200_run_peaks_where_the_estimate_says():
     assert len(rows) == 8 and any(r["compile"] for r in rows)
     for r in rows:
         job = _h200_check_job(r["activation_checkpoint"], r["micro_batch"], r["compile"])
-        peak = estimate(job, MeshShape(1, 1, 1)).peak / 2**30
+        peak = estimate(job, RunLayout.on_mesh(job, (1, 1, 1))).peak / 2**30
         assert peak == pytest.approx(r["measured_peak_gib"], rel=0.005), r
 
 
@@ -595,13 +623,13 @@ def test_gpu_presets_price_eager_kernels_below_compiled_ones():
     cands = {}
     for compile in (False, True):
         job = _h200_check_job("none", 8, compile)
-        cands[compile] = predict(job, MeshShape(1, 1, 1), hw, 1)
+        cands[compile] = predict(job, Mesh(1, 1, 1), hw, 1)
         assert cands[compile].step_s == pytest.approx(measured[compile], rel=0.03), compile
     eager, compiled = cands[False].details, cands[True].details
     for term in ("matmul_s", "attention_s", "elementwise_s"):
         assert eager[term] == pytest.approx(compiled[term] / hw.eager_efficiency), term
     hw.eager_efficiency = 1.0  # a profile whose rates were measured eager
-    same = predict(_h200_check_job("none", 8, False), MeshShape(1, 1, 1), hw, 1)
+    same = predict(_h200_check_job("none", 8, False), Mesh(1, 1, 1), hw, 1)
     assert same.step_s == pytest.approx(cands[True].step_s)
 
 
@@ -1052,13 +1080,14 @@ def _count_recompute_worker(out: str, dp: int, tp: int) -> None:
             return func(*args, **(kwargs or {}))
 
     init_distributed("cpu", 60)
-    mesh = build_mesh("cpu", 1, dp, tp)
+    mesh = None
     counted = {}
     for ac in ("none", "selective", "full"):
         cfg = tiny_config("sgd", 1.0, steps=2)
         cfg.parallel.tp, cfg.parallel.dp_shard, cfg.train.micro_batch = tp, dp, 1
         cfg.parallel.activation_checkpoint = ac
-        cfg.validate(dp * tp)
+        layout = RunLayout.build(cfg, dp * tp)
+        mesh = build_mesh("cpu", layout) if mesh is None else mesh.with_layout(layout)
         trainer = Trainer(cfg, mesh)
         per = cfg.train.global_batch // dp
         lo = mesh.dp_rank * per
@@ -1096,8 +1125,8 @@ def test_recompute_is_what_a_step_executes(tmp_path, dp, tp):
         job = tiny_config("sgd", 1.0, steps=2)
         job.train.micro_batch = 1
         job.parallel.activation_checkpoint = ac
-        cand = predict(job, MeshShape(1, dp, tp), cpu, dp * tp)
-        none = predict(with_settings(job, "none", 1), MeshShape(1, dp, tp), cpu, dp * tp)
+        cand = predict(job, Mesh(1, dp, tp), cpu, dp * tp)
+        none = predict(with_settings(job, "none", 1), Mesh(1, dp, tp), cpu, dp * tp)
         f = planner_flops(job.model, job.train.seq_len, ac, tp)
         tokens = job.train.global_batch * job.train.seq_len / (dp * tp)
         extra = counted[ac]["matmul_flops"] - counted["none"]["matmul_flops"]

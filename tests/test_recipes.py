@@ -6,7 +6,6 @@ import pytest
 from hybrid2d import recipes
 from hybrid2d.layout import RunLayout
 from hybrid2d.planner import hardware as profiles
-from hybrid2d.planner.memory import MeshShape
 from hybrid2d.planner.search import best_plan, plan
 from hybrid2d.sizes import parse_size
 

@@ -32,6 +32,7 @@ import torch  # noqa: E402
 from bench_worker import bench_job  # noqa: E402  (this script's folder)
 
 from hybrid2d.config import ConfigError, ModelConfig  # noqa: E402
+from hybrid2d.layout import RunLayout  # noqa: E402
 from hybrid2d.metrics import flops_per_token  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_worker.py")
@@ -317,7 +318,7 @@ def check_args(args) -> list[tuple[int, int]]:
             job = bench_job(
                 model, args.global_batch, args.seq_len, args.steps, dp, tp, args.device, settings
             )
-            job.validate(dp * tp)
+            RunLayout.build(job, dp * tp)  # a bad --set is one line before any run
         meshes.append((dp, tp))
     return meshes
 

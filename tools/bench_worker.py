@@ -22,6 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hybrid2d.config import JobConfig, ModelConfig, apply_overrides  # noqa: E402
+from hybrid2d.layout import RunLayout  # noqa: E402
 from hybrid2d.mesh import shutdown_distributed  # noqa: E402
 from hybrid2d.metrics import peak_memory_bytes  # noqa: E402
 
@@ -88,14 +89,15 @@ def run_hybrid2d(args):
     from hybrid2d.trainer import Trainer
 
     cfg = job_config(args)
-    cfg.validate(dist.get_world_size() if dist.is_initialized() else args.dp * args.tp)
+    layout = RunLayout.build(
+        cfg, dist.get_world_size() if dist.is_initialized() else args.dp * args.tp
+    )
     init_distributed(args.device, 300, cfg.parallel.shm_collectives)
-    mesh = build_mesh(args.device, 1, args.dp, args.tp)
+    mesh = build_mesh(args.device, layout)
     trainer = Trainer(cfg, mesh)
     checksums = weight_checksums(trainer.model)
-    per = args.global_batch // mesh.dp
+    per, mb = layout.local_batch, layout.micro_batch
     lo = mesh.dp_rank * per
-    mb = cfg.train.micro_batch or per
     times, losses = [], []
     comm = None
     for step, (x, y) in enumerate(batches(cfg.model, args.global_batch, args.seq_len, args.steps)):

@@ -21,7 +21,6 @@ run's memory/ folder, over the report the run wrote there; without either no fil
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 import os
@@ -35,7 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hybrid2d import recipes  # noqa: E402
 from hybrid2d.cli import OneLineParser, positive_size  # noqa: E402
 from hybrid2d.config import ConfigError, JobConfig, apply_overrides  # noqa: E402
-from hybrid2d.planner.memory import MeshShape, estimate, estimates_per_rank  # noqa: E402
+from hybrid2d.layout import MESH_DIMS, RunLayout  # noqa: E402
+from hybrid2d.planner.memory import estimate, estimates_per_rank  # noqa: E402
 from hybrid2d.profiling.profiler import load_measured, summary_rows  # noqa: E402
 from hybrid2d.profiling.report import CATEGORIES, LABELS, Entry, Report, fmt_bytes, write  # noqa: E402
 from hybrid2d.simulate import run_subprocess  # noqa: E402
@@ -80,43 +80,42 @@ def parse(argv: list[str]):
 
 
 def largest_micro_batch(
-    cfg: JobConfig, mesh: MeshShape, target: str, limit: int, below: int = 0, ac: str = ""
-) -> tuple[JobConfig, int] | None:
-    """(config, peak) with the largest micro batch (a divisor of the per-rank batch, smaller than
+    cfg: JobConfig, layout: RunLayout, target: str, limit: int, below: int = 0, ac: str = ""
+) -> tuple[RunLayout, int] | None:
+    """(layout, peak) with the largest micro batch (a divisor of the per-rank batch, smaller than
     `below` when given) whose estimate fits in `limit` bytes, with activation checkpointing `ac`
     when given; None when none fits."""
-    local = cfg.train.global_batch // mesh.dp
-    trial = copy.deepcopy(cfg)
-    trial.parallel.activation_checkpoint = ac or cfg.parallel.activation_checkpoint
+    local = layout.local_batch
+    ac = ac or layout.activation_checkpoint
     for mb in range(min(below or local + 1, local + 1) - 1, 0, -1):
         if local % mb == 0:
-            trial.train.micro_batch = mb
-            peak = estimate(trial, mesh, 0, target).peak
+            trial = dataclasses.replace(layout, micro_batch=mb, activation_checkpoint=ac)
+            peak = estimate(cfg, trial, 0, target).peak
             if peak <= limit:
                 return trial, peak
     return None
 
 
-def pick_simulation_config(
-    cfg: JobConfig, mesh: MeshShape, target: str, budget: int
-) -> tuple[JobConfig, str | None]:
-    """The config to simulate: `cfg`, or `cfg` with the largest micro batch whose estimate fits
+def pick_simulation_layout(
+    cfg: JobConfig, layout: RunLayout, target: str, budget: int
+) -> tuple[RunLayout, str | None]:
+    """The layout to simulate: `layout`, or it with the largest micro batch whose estimate fits
     in `budget` bytes (with a line saying so). Raises ConfigError when none fits."""
-    est = estimate(cfg, mesh, 0, target)
+    est = estimate(cfg, layout, 0, target)
     if est.peak <= budget:
-        return cfg, None
-    current = cfg.train.micro_batch or cfg.train.global_batch // mesh.dp
-    found = largest_micro_batch(cfg, mesh, target, budget, below=current)
+        return layout, None
+    current = layout.micro_batch
+    found = largest_micro_batch(cfg, layout, target, budget, below=current)
     if found is None:
-        smallest = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch=1))
+        smallest = dataclasses.replace(layout, micro_batch=1)
         raise ConfigError(
-            f"mesh {mesh}: even train.micro_batch=1 needs about "
-            f"{fmt_bytes(estimate(smallest, mesh, 0, target).peak)} per rank, more than "
+            f"mesh {layout}: even train.micro_batch=1 needs about "
+            f"{fmt_bytes(estimate(cfg, smallest, 0, target).peak)} per rank, more than "
             f"{fmt_bytes(budget)} available here; lower --train.seq_len to simulate"
         )
     trial = found[0]
     return trial, (
-        f"simulating mesh {mesh} with train.micro_batch={trial.train.micro_batch} instead of "
+        f"simulating mesh {layout} with train.micro_batch={trial.micro_batch} instead of "
         f"{current}: the estimate for {current} is {fmt_bytes(est.peak)} per rank, more than "
         f"this machine can hold for a simulation ({fmt_bytes(budget)}); pass "
         "--train.micro_batch to choose"
@@ -167,20 +166,20 @@ def run(args, rest: list[str]) -> int:
             )
         with open(os.path.join(args.run_dir, "memory", "rank0.json")) as f:
             info = json.load(f)
-        run_mesh = MeshShape(**info["mesh"])
+        run_mesh = tuple(info["mesh"][k] for k in MESH_DIMS)
         target = args.target or info["device"]
     else:
         cfg = recipes.get(args.recipe)
         target = args.target or "cuda"
         if not args.mesh:
             raise ConfigError("give at least one --mesh DPxTP, e.g. --mesh 8x8")
-    meshes = [MeshShape.parse(m) for m in args.mesh] or [run_mesh]
     apply_overrides(cfg, rest)
+    layouts = [RunLayout.on_mesh(cfg, m) for m in args.mesh or [run_mesh]]
     if not 0 <= args.headroom < 1:
         raise ConfigError(f"--headroom {args.headroom} must be in [0, 1)")
     fit = {"device_memory": device_memory, "headroom": args.headroom}
 
-    entries: list[tuple[Entry, MeshShape]] = []
+    entries: list[tuple[Entry, RunLayout]] = []
     notes: list[str] = []
     if cfg.parallel.compile:
         notes.append(
@@ -188,31 +187,24 @@ def run(args, rest: list[str]) -> int:
             "compiled blocks usually keep fewer activations"
         )
         print("note: " + notes[-1])
-    for mesh in meshes:
+    for mesh in layouts:
         per_rank = estimates_per_rank(cfg, mesh, target)
-        entry = Entry(
-            str(mesh), per_rank[0], per_rank, measured=measured if mesh == run_mesh else [], **fit
-        )
+        ran = mesh.mesh_shape == run_mesh
+        entry = Entry(str(mesh), per_rank[0], per_rank, measured=measured if ran else [], **fit)
         mine = [entry]
         if args.simulate:
             budget = int(psutil.virtual_memory().available * SIM_MEMORY_FRACTION)
-            sim_cfg, why = pick_simulation_config(cfg, mesh, target, budget)
+            sim_layout, why = pick_simulation_layout(cfg, mesh, target, budget)
             if why:
                 print(why, flush=True)
                 notes.append(why)
             print(f"simulating rank 0 of mesh {mesh} ({mesh.world} ranks) ...", flush=True)
             start = time.perf_counter()
-            sim = run_subprocess(
-                sim_cfg,
-                (mesh.dp_replicate, mesh.dp_shard, mesh.tp),
-                0,
-                target,
-                skip_compute=not args.no_skip_compute,
-            )
+            sim = run_subprocess(cfg, sim_layout, 0, target, skip_compute=not args.no_skip_compute)
             sim["outer_wall_s"] = time.perf_counter() - start
             sim.pop("config", None)
             if why:  # compare like with like: the estimate at the simulated micro batch
-                est = estimate(sim_cfg, mesh, 0, target).to_dict()
+                est = estimate(cfg, sim_layout, 0, target).to_dict()
                 name = f"{mesh} (micro batch {sim['micro_batch']}, simulated)"
                 mine.append(Entry(name, est, simulated=sim, **fit))
             else:
@@ -221,7 +213,7 @@ def run(args, rest: list[str]) -> int:
             print_table(
                 f"{cfg.recipe} on mesh {e.mesh}: dp_replicate={mesh.dp_replicate} x dp_shard="
                 f"{mesh.dp_shard} x tp={mesh.tp} ({mesh.world} ranks), {target}, activation "
-                f"checkpointing {cfg.parallel.activation_checkpoint}; rank 0",
+                f"checkpointing {mesh.activation_checkpoint}; rank 0",
                 e,
             )
             entries.append((e, mesh))
@@ -239,7 +231,7 @@ def run(args, rest: list[str]) -> int:
         print()
 
     title = f"Memory per rank of {cfg.recipe} ({target})"
-    rep = Report(title, summary_rows(cfg, target), [e for e, _ in entries], notes)
+    rep = Report(title, summary_rows(cfg, layouts[0], target), [e for e, _ in entries], notes)
     out = args.out or (args.run_dir and os.path.join(args.run_dir, "memory"))
     if out:
         md, page = write(rep, out)
@@ -253,19 +245,19 @@ def run(args, rest: list[str]) -> int:
     return 0
 
 
-def micro_batch_advice(cfg: JobConfig, mesh: MeshShape, target: str, limit: int) -> str:
+def micro_batch_advice(cfg: JobConfig, mesh: RunLayout, target: str, limit: int) -> str:
     """The largest micro batch that fits in `limit`, without and with activation checkpointing."""
     plain, ac_full = (
         largest_micro_batch(cfg, mesh, target, limit, ac=ac) for ac in ("none", "full")
     )
     parts = []
     if plain:
-        mb = plain[0].train.micro_batch
+        mb = plain[0].micro_batch
         parts.append(f"fits with --train.micro_batch {mb} ({fmt_bytes(plain[1])})")
-    if ac_full and (not plain or ac_full[0].train.micro_batch > plain[0].train.micro_batch):
+    if ac_full and (not plain or ac_full[0].micro_batch > plain[0].micro_batch):
         parts.append(
             f"with --parallel.activation_checkpoint full: --train.micro_batch "
-            f"{ac_full[0].train.micro_batch} ({fmt_bytes(ac_full[1])})"
+            f"{ac_full[0].micro_batch} ({fmt_bytes(ac_full[1])})"
         )
     return "; ".join(parts) or "does not fit at micro batch 1, even with activation checkpointing"
 

@@ -35,9 +35,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hybrid2d import recipes  # noqa: E402
 from hybrid2d.cli import OneLineParser, positive_size  # noqa: E402
 from hybrid2d.config import ConfigError, JobConfig, ModelConfig, apply_overrides  # noqa: E402
+from hybrid2d.layout import MESH_DIMS, RunLayout  # noqa: E402
 from hybrid2d.metrics import flops_per_token  # noqa: E402
 from hybrid2d.planner import hardware as hwlib  # noqa: E402
-from hybrid2d.planner.memory import MeshShape  # noqa: E402
 from hybrid2d.planner.model import DEFAULT_HEADROOM, predict  # noqa: E402
 from hybrid2d.planner.search import (  # noqa: E402
     accelerate_config,
@@ -392,7 +392,7 @@ def run_check(args, hw: hwlib.Hardware) -> int:
         summary = json.load(f)
     with open(os.path.join(args.check_run, "config.json")) as f:
         cfg = JobConfig.from_dict(json.load(f))
-    mesh = MeshShape(**summary["mesh"])
+    mesh = RunLayout.on_mesh(cfg, tuple(summary["mesh"][k] for k in MESH_DIMS))
     gpus = min(mesh.world, args.gpus_per_node)
     cand = predict(cfg, mesh, hw, gpus, args.headroom)
     tokens = cfg.train.global_batch * cfg.train.seq_len
@@ -520,7 +520,7 @@ def measure_validation(args, hw) -> str:
         job = bench_job(
             model, VALIDATION_BATCH, VALIDATION_SEQ, args.steps, dp, tp, "cpu", settings
         )
-        pred = predict(job, MeshShape(1, dp, tp), hw, gpus_per_node=dp * tp)
+        pred = predict(job, RunLayout.on_mesh(job, (1, dp, tp)), hw, gpus_per_node=dp * tp)
         rows.append(
             {
                 "label": f"{dp}x{tp} {ac} mb{micro}",

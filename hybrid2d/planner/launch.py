@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from hybrid2d.config import ConfigError, JobConfig
+from hybrid2d.config import ConfigError, JobConfig, ModelConfig
 from hybrid2d.launcher import LAUNCHER_MESH_ENV, launched_mesh_env
 from hybrid2d.layout import RunLayout
 from hybrid2d.planner import hardware as profiles
 from hybrid2d.planner.hardware import Hardware
-from hybrid2d.planner.memory import MeshShape
 from hybrid2d.planner.model import PLANNED, Candidate, predict
 from hybrid2d.planner.search import best_plan
 
@@ -47,17 +46,20 @@ def guess_note(hw: Hardware) -> str:
 
 def prediction(cfg: JobConfig, layout: RunLayout, hw: Hardware, per_node: int) -> Candidate:
     """The planner's figures for exactly this layout."""
-    ran = JobConfig.from_dict(layout.recorded(cfg))
-    mesh = MeshShape(*layout.mesh_shape)
-    return predict(ran, mesh, hw, gpus_per_node=max(per_node, mesh.tp))
+    return predict(cfg, layout, hw, gpus_per_node=max(per_node, layout.tp))
 
 
 def auto_plan(
-    cfg: JobConfig, world: int, per_node: int, hw: Hardware, set_on_cli: set[str] | frozenset[str]
+    cfg: JobConfig,
+    world: int,
+    per_node: int,
+    hw: Hardware,
+    set_on_cli: set[str] | frozenset[str],
+    model: ModelConfig | None = None,
 ) -> tuple[dict, str]:
     """parallel.plan=auto: the mesh, checkpointing and micro batch of the best plan for `world`
     ranks, as RunLayout.build's keywords, and one line saying what was taken (ConfigError when
-    nothing fits). cfg is the plan's subject, not changed."""
+    nothing fits). `model`: the shape to plan for in place of cfg.model's (init_from's)."""
     # Setting one of PLANNED on the command line, or a mesh size in the accelerate config (its
     # PARALLELISM_CONFIG_* variables), as well is an error.
     both = sorted(name for name in PLANNED if name in set_on_cli)
@@ -80,7 +82,7 @@ def auto_plan(
             "the config's parallelism_config, the sizes it leaves out as 1); drop "
             "parallelism_config from the accelerate config or use parallel.plan=manual"
         )
-    best = best_plan(cfg, world, min(per_node, world), hw)
+    best = best_plan(cfg, world, min(per_node, world), hw, model=model)
     choices = {
         "dp_replicate": best.dp_replicate,
         "dp_shard": best.dp_shard,

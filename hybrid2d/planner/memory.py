@@ -50,50 +50,11 @@ from dataclasses import dataclass, field
 import torch
 
 from hybrid2d.config import ConfigError, JobConfig, ModelConfig, resolve_mixed_precision
+from hybrid2d.layout import RunLayout
 from hybrid2d.models.llama import Llama
 from hybrid2d.parallel.tensor_parallel import llama_tp_plan
 
 GiB = 2**30
-
-
-@dataclass(frozen=True)
-class MeshShape:
-    """(dp_replicate, dp_shard, tp); ranks are numbered with tp fastest, as in `mesh.py`."""
-
-    dp_replicate: int
-    dp_shard: int
-    tp: int
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        if not 0 <= rank < self.world:
-            raise ConfigError(f"rank {rank} is not in [0, {self.world}) for mesh {self}")
-        return rank // (self.tp * self.dp_shard), (rank // self.tp) % self.dp_shard, rank % self.tp
-
-    def __str__(self) -> str:
-        rep = f"{self.dp_replicate}x" if self.dp_replicate > 1 else ""
-        return f"{rep}{self.dp_shard}x{self.tp}"
-
-    @classmethod
-    def parse(cls, text: str) -> MeshShape:
-        """'DPxTP' (FSDP over DP ranks, TP inside) or 'REPxSHARDxTP' (HSDP)."""
-        parts = re.split(r"[x,*]", text.strip().lower())
-        try:
-            sizes = [int(p) for p in parts]
-        except ValueError:
-            sizes = []
-        if len(sizes) not in (2, 3) or min(sizes, default=0) < 1:
-            raise ConfigError(
-                f"--mesh {text!r} is not DPxTP (e.g. 8x8) or REPLICATExSHARDxTP (e.g. 2x4x8)"
-            )
-        return cls(1, *sizes) if len(sizes) == 2 else cls(*sizes)
 
 
 @dataclass(frozen=True)
@@ -177,16 +138,14 @@ class Estimate:
         return dataclasses.asdict(self)
 
 
-def estimate(cfg: JobConfig, mesh: MeshShape, rank: int = 0, target: str = "cuda") -> Estimate:
-    """Per-rank memory of one training step of `cfg` on `mesh` (validated first)."""
-    cfg = JobConfig.from_dict(dataclasses.asdict(cfg))  # a copy, on this mesh
-    cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.tp = dataclasses.astuple(mesh)
-    cfg.validate(mesh.world)  # raises ConfigError naming the setting
+def estimate(cfg: JobConfig, layout: RunLayout, rank: int = 0, target: str = "cuda") -> Estimate:
+    """Per-rank memory of one training step of `cfg` laid out as `layout` (the model, mesh,
+    batch split and checkpointing are the layout's; the rest of the settings cfg's)."""
     if target not in ("cuda", "cpu"):
         raise ConfigError(f"target {target!r} is not one of cuda, cpu")
-    m, t, p = cfg.model, cfg.train, cfg.parallel
-    _, shard_rank, _ = mesh.coords(rank)
-    tp, dps = mesh.tp, mesh.dp_shard
+    m, t, p = layout.model, cfg.train, cfg.parallel
+    _, shard_rank, _ = layout.coords(rank)
+    tp, dps = layout.tp, layout.dp_shard
     c = compute_dtype_bytes(cfg, target)
 
     # ---- parameters, gradients, optimizer state (exact) -------------------------------------
@@ -213,9 +172,7 @@ def estimate(cfg: JobConfig, mesh: MeshShape, rank: int = 0, target: str = "cuda
         optimizer = 2 * real * 4 + (len(params) * 4 if target == "cpu" else 0)
 
     # ---- activations ------------------------------------------------------------------------
-    local_batch = t.global_batch // mesh.dp
-    b = t.micro_batch or local_batch
-    n_micro = local_batch // b
+    b, n_micro = layout.micro_batch, layout.n_micro
     S, D, hd = t.seq_len, m.dim, m.head_dim
     N = b * S
     Nl = N // tp
@@ -234,15 +191,16 @@ def estimate(cfg: JobConfig, mesh: MeshShape, rank: int = 0, target: str = "cuda
         # and their product; no fp32 copies and no silu(gate). Counted with saved-tensor hooks
         # on CPU (tests/test_memory.py); on one H200 it gave the compiled peak to 0.1%.
         block = ckpt + 2 * Nl * 4 + gathered + qkv + attn_out + Nl * D * c + 3 * N * ffn * c
-    if p.activation_checkpoint == "full":
+    ac = layout.activation_checkpoint
+    if ac == "full":
         kept = ckpt
-    elif p.activation_checkpoint == "selective" and p.compile:
+    elif ac == "selective" and p.compile:
         # The policy's saved outputs that backward reads: the o output (tp = 1) is kept, the
         # down output is not; on tp > 1 the sequence gathers and one reduce-scatter's output
         # (the o and down products are marked not kept, as in eager).
         rows = ckpt if tp == 1 else gathered + Nl * D * c
         kept = ckpt + qkv + attn_out + mlp // 2 + rows
-    elif p.activation_checkpoint == "selective":
+    elif ac == "selective":
         # The block input plus the outputs of matmuls, attention and collectives: q/k/v, the
         # attention output, gate and up, and two [Nl, D] tensors (tp > 1: the two
         # reduce-scatters, whose o and down matmuls are recomputed, see
@@ -323,7 +281,7 @@ def estimate(cfg: JobConfig, mesh: MeshShape, rank: int = 0, target: str = "cuda
     totals = {name: sum(v.values()) for name, v in phases.items()}
     peak_phase = max(totals, key=totals.get)
     return Estimate(
-        mesh=str(mesh),
+        mesh=str(layout),
         rank=rank,
         target=target,
         parameters=parameters,
@@ -340,14 +298,14 @@ def estimate(cfg: JobConfig, mesh: MeshShape, rank: int = 0, target: str = "cuda
     )
 
 
-def estimates_per_rank(cfg: JobConfig, mesh: MeshShape, target: str = "cuda") -> list[dict]:
+def estimates_per_rank(cfg: JobConfig, layout: RunLayout, target: str = "cuda") -> list[dict]:
     """Every rank's `estimate(...).to_dict()`; ranks differ only by their dp_shard index (uneven
     FSDP shards), so one estimate per index serves them all."""
     by_shard: dict[int, Estimate] = {}
     out = []
-    for r in range(mesh.world):
-        shard = mesh.coords(r)[1]
+    for r in range(layout.world):
+        shard = layout.coords(r)[1]
         if shard not in by_shard:
-            by_shard[shard] = estimate(cfg, mesh, r, target)
+            by_shard[shard] = estimate(cfg, layout, r, target)
         out.append(by_shard[shard].to_dict() | {"rank": r})
     return out

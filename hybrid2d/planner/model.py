@@ -59,12 +59,12 @@ import math
 from dataclasses import dataclass, field
 
 from hybrid2d.config import ConfigError, JobConfig, ModelConfig
+from hybrid2d.layout import RunLayout
 from hybrid2d.metrics import flops_per_token
 from hybrid2d.planner import ops
 from hybrid2d.planner.comm import analytic_step, unit_bytes
 from hybrid2d.planner.hardware import KINDS, Hardware, Link
 from hybrid2d.planner.memory import (
-    MeshShape,
     compute_dtype_bytes,
     estimate,
     fsdp_shard,
@@ -106,10 +106,6 @@ class Candidate:
     reason: str
     details: dict = field(default_factory=dict)
 
-    @property
-    def mesh(self) -> MeshShape:
-        return MeshShape(self.dp_replicate, self.dp_shard, self.tp)
-
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -119,33 +115,6 @@ class Candidate:
         return [
             arg for name, v in zip(PLANNED, values, strict=True) for arg in (f"--{name}", str(v))
         ]
-
-
-def variant(cfg: JobConfig, mesh: MeshShape, **settings) -> JobConfig:
-    """A copy of cfg on this mesh with some `section__field=value` settings changed (the
-    sections are copied, not the model's shape, which nothing here changes)."""
-    sections = {"parallel": {}, "train": {}}
-    for key, value in settings.items():
-        section, name = key.split("__")
-        sections[section][name] = value
-    return dataclasses.replace(
-        cfg,
-        parallel=dataclasses.replace(
-            cfg.parallel,
-            dp_replicate=mesh.dp_replicate,
-            dp_shard=mesh.dp_shard,
-            tp=mesh.tp,
-            **sections["parallel"],
-        ),
-        train=dataclasses.replace(cfg.train, **sections["train"]),
-    )
-
-
-def job_on_mesh(cfg: JobConfig, mesh: MeshShape) -> JobConfig:
-    """A copy of cfg with the mesh sizes set, validated (ConfigError names what is wrong)."""
-    job = variant(cfg, mesh)
-    job.validate(mesh.world)
-    return job
 
 
 # ---- the pieces ------------------------------------------------------------------------------
@@ -259,16 +228,17 @@ def group_link(hw: Hardware, size: int, stride: int, gpus_per_node: int) -> Grou
 
 def predict(
     cfg: JobConfig,
-    mesh: MeshShape,
+    layout: RunLayout,
     hardware: Hardware,
     gpus_per_node: int | None = None,
     headroom: float = DEFAULT_HEADROOM,
 ) -> Candidate:
-    """Step time, throughput, MFU and peak memory of `cfg` on `mesh` (ConfigError when invalid)."""
+    """Step time, throughput, MFU and peak memory of `cfg` laid out as `layout` (ConfigError
+    when a tp group would cross nodes)."""
     G = gpus_per_node or hardware.gpus_per_node
-    if not group_inside_node(mesh.tp, G):
-        raise ConfigError(f"tp={mesh.tp} crosses nodes ({G} GPUs per node)")
-    return predict_valid(job_on_mesh(cfg, mesh), mesh, hardware, G, headroom)
+    if not group_inside_node(layout.tp, G):
+        raise ConfigError(f"tp={layout.tp} crosses nodes ({G} GPUs per node)")
+    return predict_valid(cfg, layout, hardware, G, headroom)
 
 
 def tp_block_overhead(hw: Hardware, T: int, ranks_on_host: int, comm_scale: float) -> float:
@@ -283,16 +253,15 @@ def tp_block_overhead(hw: Hardware, T: int, ranks_on_host: int, comm_scale: floa
 
 
 def predict_valid(
-    job: JobConfig, mesh: MeshShape, hw: Hardware, G: int, headroom: float = DEFAULT_HEADROOM
+    cfg: JobConfig, layout: RunLayout, hw: Hardware, G: int, headroom: float = DEFAULT_HEADROOM
 ) -> Candidate:
-    """`predict` for a job already validated on this mesh (the search validates each mesh once),
-    with G GPUs per node."""
-    m, t, p = job.model, job.train, job.parallel
-    W, T, Sh, R = mesh.world, mesh.tp, mesh.dp_shard, mesh.dp_replicate
-    c = compute_dtype_bytes(job, hw.target)
-    local = t.global_batch // mesh.dp
-    b = t.micro_batch or local
-    n_micro = local // b
+    """`predict` without the node check (the search checks each mesh once), with G GPUs per
+    node. The model, mesh, batch split and checkpointing are the layout's."""
+    m, t, p = layout.model, cfg.train, cfg.parallel
+    W, T, Sh, R = layout.world, layout.tp, layout.dp_shard, layout.dp_replicate
+    ac = layout.activation_checkpoint
+    c = compute_dtype_bytes(cfg, hw.target)
+    local, b, n_micro = layout.local_batch, layout.micro_batch, layout.n_micro
     S = t.seq_len
     N = b * S
     ranks_on_host = min(W, G)
@@ -303,7 +272,7 @@ def predict_valid(
     comm_scale = 1.0 / core_part
 
     # ---- compute ----------------------------------------------------------------------------
-    f = flops(m, S, p.activation_checkpoint, T)
+    f = flops(m, S, ac, T)
     rank_tokens = local * S / T  # tp ranks split the work of their dp group's tokens
     mm_flops = (f["matmul"] + f["recompute_matmul"]) * rank_tokens
     attn_flops = (f["attention"] + f["recompute_attention"]) * rank_tokens
@@ -313,7 +282,7 @@ def predict_valid(
     attn_rate = hw.attention_rate(N, T) * share * eager
     bandwidth = hw.elementwise_bandwidth(N) * share * eager
     block_fwd = sum(block_elementwise_bytes(m, N, T, c).values())
-    recompute_passes = 1 if p.activation_checkpoint in ("full", "selective") else 0
+    recompute_passes = 1 if ac in ("full", "selective") else 0
     head_bytes = head_elementwise_bytes(m, N, T, c)
     elem_per_micro = m.n_layers * block_fwd * (3 + recompute_passes) + head_bytes
 
@@ -326,7 +295,7 @@ def predict_valid(
     tp_count = 0
     for kind in KINDS:
         count, payload = step.get(f"tp_{kind}", (0, 0))
-        if p.activation_checkpoint == "full" and kind != "all_reduce" and count:
+        if ac == "full" and kind != "all_reduce" and count:
             # The recomputed forward repeats each block's two sequence gathers and the
             # attention's reduce-scatter (it stops before the MLP's, the block's last op).
             extra = (2 if kind == "all_gather" else 1) * m.n_layers * n_micro
@@ -371,16 +340,14 @@ def predict_valid(
     attention_s = attn_flops / attn_rate
     elementwise_s = elem_bytes / bandwidth
     # Calibrated: what checkpointing costs beyond its recompute (one core's seconds per block).
-    overhead = hw.checkpoint_overhead_s.get(p.activation_checkpoint, 0.0)
+    overhead = hw.checkpoint_overhead_s.get(ac, 0.0)
     checkpoint_s = overhead * m.n_layers * n_micro / core_part
     # Calibrated: what a whole block takes beyond the pieces above (fixed + per token).
     block_residual_s = hw.residual_per_block(N, T) * m.n_layers * n_micro / core_part
     # Per-op CPU cost of eager PyTorch: ops dispatched in the step x seconds per op. CPU: the
     # rank's thread runs it between kernels; GPU: the host runs ahead, so only what exceeds the
     # kernels' time is exposed.
-    op_counts = ops.step_ops(
-        m, p.activation_checkpoint, n_micro, tp_count, ag_count, rs_count, len(model_params(m))
-    )
+    op_counts = ops.step_ops(m, ac, n_micro, tp_count, ag_count, rs_count, len(model_params(m)))
     n_ops = sum(op_counts.values())
     dispatch_total = n_ops * hw.op_overhead_s / core_part
     kernels_s = matmul_s + attention_s + elementwise_s + checkpoint_s + block_residual_s
@@ -447,7 +414,7 @@ def predict_valid(
     mfu = f["model"] * t.global_batch * S / step_s / (hw.peak_flops * devices)
 
     # ---- memory -------------------------------------------------------------------------------
-    est = estimate(job, mesh, 0, hw.target)
+    est = estimate(cfg, layout, 0, hw.target)
     limit = hw.memory_bytes * (1 - headroom) / (ranks_on_host if hw.host_cores else 1)
     fits = est.peak <= limit
 
@@ -489,7 +456,7 @@ def predict_valid(
         dp_replicate=R,
         dp_shard=Sh,
         tp=T,
-        activation_checkpoint=p.activation_checkpoint,
+        activation_checkpoint=ac,
         micro_batch=b,
         fits=fits,
         peak_gib=est.peak / GiB,

@@ -25,8 +25,9 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from hybrid2d import recipes
+from hybrid2d.layout import RunLayout
 from hybrid2d.planner import hardware as hwlib
-from hybrid2d.planner.memory import MeshShape, estimate
+from hybrid2d.planner.memory import estimate
 from hybrid2d.planner.model import Candidate, predict
 
 TORCHTITAN_2024_12 = (
@@ -281,7 +282,7 @@ def predicted_memory(row: Published) -> tuple[float, float]:
     holds torchtitan_unsaved_bytes less per block (the last block's backward rebuilds its own,
     so one fewer there); the peak is the largest moment after that."""
     cfg = row_config(row)
-    est = estimate(cfg, MeshShape(1, row.dp_shard, row.tp), 0, "cuda")
+    est = estimate(cfg, RunLayout.on_mesh(cfg, (1, row.dp_shard, row.tp)), 0, "cuda")
     totals = {name: sum(parts.values()) for name, parts in est.phases.items()}
     if row.activation_checkpoint == "selective" and row.tp == 1:
         m = cfg.model
@@ -320,7 +321,7 @@ def predict_row(row: Published, peak_flops: float | None = None) -> tuple[Candid
         setattr(hw, key, value)
     if peak_flops:
         hw.peak_flops = peak_flops
-    cand = predict(cfg, MeshShape(1, row.dp_shard, row.tp), hw, world // row.nodes)
+    cand = predict(cfg, RunLayout.on_mesh(cfg, (1, row.dp_shard, row.tp)), hw, world // row.nodes)
     step = cand.step_s
     if row.activation_checkpoint == "selective":
         tokens = cfg.train.global_batch * row.seq_len / world

@@ -8,19 +8,13 @@ vocab, a batch that does not split) is rejected with the reason, once per mesh.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from hybrid2d.config import ConfigError, JobConfig
+from hybrid2d.config import ConfigError, JobConfig, ModelConfig
+from hybrid2d.layout import RunLayout, divisors
 from hybrid2d.planner.hardware import Hardware
-from hybrid2d.planner.memory import MeshShape
-from hybrid2d.planner.model import (
-    DEFAULT_HEADROOM,
-    Candidate,
-    group_inside_node,
-    job_on_mesh,
-    predict_valid,
-    variant,
-)
+from hybrid2d.planner.model import DEFAULT_HEADROOM, Candidate, group_inside_node, predict_valid
 
 CHECKPOINTING = ("none", "selective", "full")
 
@@ -46,15 +40,10 @@ class Plan:
         return self.candidates[0] if self.candidates and self.candidates[0].fits else None
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def meshes(world: int) -> list[MeshShape]:
+def meshes(world: int) -> list[tuple[int, int, int]]:
+    """Every (dp_replicate, dp_shard, tp) of `world` ranks."""
     return [
-        MeshShape(rep, world // (tp * rep), tp)
-        for tp in divisors(world)
-        for rep in divisors(world // tp)
+        (rep, world // (tp * rep), tp) for tp in divisors(world) for rep in divisors(world // tp)
     ]
 
 
@@ -65,37 +54,37 @@ def plan(
     hardware: Hardware,
     headroom: float = DEFAULT_HEADROOM,
     checkpointing: tuple[str, ...] = CHECKPOINTING,
+    model: ModelConfig | None = None,
 ) -> Plan:
-    """Predict every valid candidate; rank fitting ones by step time, then the rest by memory."""
+    """Predict every valid candidate; rank fitting ones by step time, then the rest by memory.
+    `model`: the shape to plan for in place of cfg.model's (an init_from checkpoint's)."""
     if world_size < 1 or gpus_per_node < 1:
         raise ConfigError(f"world size {world_size} and GPUs per node {gpus_per_node} must be >= 1")
     out: list[Candidate] = []
     rejected: list[Rejected] = []
     for mesh in meshes(world_size):
-        why = mesh_problem(cfg, mesh, gpus_per_node)
-        if why:
-            rejected.append(Rejected(mesh.dp_replicate, mesh.dp_shard, mesh.tp, why))
+        base = mesh_layout(cfg, mesh, gpus_per_node, model)
+        if isinstance(base, str):
+            rejected.append(Rejected(*mesh, base))
             continue
-        local = cfg.train.global_batch // mesh.dp
         for ac in checkpointing:
-            for micro in divisors(local):  # valid by construction: no validation per variant
-                job = variant(
-                    cfg, mesh, parallel__activation_checkpoint=ac, train__micro_batch=micro
-                )
-                out.append(predict_valid(job, mesh, hardware, gpus_per_node, headroom))
+            for micro in divisors(base.local_batch):  # valid by construction: not checked again
+                layout = dataclasses.replace(base, activation_checkpoint=ac, micro_batch=micro)
+                out.append(predict_valid(cfg, layout, hardware, gpus_per_node, headroom))
     out.sort(key=lambda c: (not c.fits, c.step_s if c.fits else c.peak_gib))
     return Plan(out, rejected, world_size, gpus_per_node, hardware)
 
 
-def mesh_problem(cfg: JobConfig, mesh: MeshShape, gpus_per_node: int) -> str | None:
-    """Why the trainer cannot run cfg on this mesh here, or None."""
-    if not group_inside_node(mesh.tp, gpus_per_node):
-        return f"tp={mesh.tp} crosses nodes ({gpus_per_node} GPUs per node)"
+def mesh_layout(
+    cfg: JobConfig, mesh: tuple[int, int, int], gpus_per_node: int, model: ModelConfig | None
+) -> RunLayout | str:
+    """cfg laid out on this mesh, or why the trainer cannot run it there."""
+    if not group_inside_node(mesh[2], gpus_per_node):
+        return f"tp={mesh[2]} crosses nodes ({gpus_per_node} GPUs per node)"
     try:  # the micro batch is the search's to choose, not the mesh's problem
-        job_on_mesh(variant(cfg, mesh, train__micro_batch=0), mesh)
+        return RunLayout.on_mesh(cfg, mesh, micro_batch=0, model=model)
     except ConfigError as e:
         return str(e)
-    return None
 
 
 def best_plan(
@@ -104,9 +93,10 @@ def best_plan(
     gpus_per_node: int,
     hardware: Hardware,
     headroom: float = DEFAULT_HEADROOM,
+    model: ModelConfig | None = None,
 ) -> Candidate:
     """The fastest candidate that fits; ConfigError naming the smallest peak when none fits."""
-    result = plan(cfg, world_size, gpus_per_node, hardware, headroom)
+    result = plan(cfg, world_size, gpus_per_node, hardware, headroom, model=model)
     if result.best is not None:
         return result.best
     if not result.candidates:

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from hybrid2d.config import resolve_mixed_precision
-from hybrid2d.planner.memory import GiB, MeshShape, estimates_per_rank
+from hybrid2d.layout import RunLayout
+from hybrid2d.planner.memory import GiB, estimates_per_rank
 from hybrid2d.profiling.measure import CATEGORIES, measure_step
 from hybrid2d.profiling.report import Entry, Report, write
 
@@ -111,17 +112,16 @@ class MemoryProfiler:
             return None
 
         m = self.mesh
-        shape = MeshShape(m.dp_replicate, m.dp_shard, m.tp)
         try:
-            estimates = estimates_per_rank(self.cfg, shape, m.device.type)
+            estimates = estimates_per_rank(self.cfg, m.layout, m.device.type)
         except Exception as e:  # the estimate is an extra; never fail a run because of it
             print(f"memory estimate unavailable: {e}", file=sys.stderr, flush=True)
             estimates = []
         measured = load_measured(os.path.dirname(self.dir))
-        entry = Entry(str(shape), estimates[0] if estimates else None, estimates, None, measured)
+        entry = Entry(str(m.layout), estimates[0] if estimates else None, estimates, None, measured)
         rep = Report(
             title=f"Memory of {self.cfg.recipe} on {m.device.type}, {self.world} ranks",
-            summary=summary_rows(self.cfg, m.device.type),
+            summary=summary_rows(self.cfg, m.layout, m.device.type),
             entries=[entry],
             notes=[
                 "measured: the last step of each rank, by tensor accounting "
@@ -142,8 +142,8 @@ def load_measured(run_dir: str) -> list[dict]:
     return sorted(out, key=lambda r: r["rank"])
 
 
-def summary_rows(cfg, target: str) -> list[tuple[str, str]]:
-    m, t, p = cfg.model, cfg.train, cfg.parallel
+def summary_rows(cfg, layout: RunLayout, target: str) -> list[tuple[str, str]]:
+    m, t, p = layout.model, cfg.train, cfg.parallel
     mp = resolve_mixed_precision(p.mixed_precision, target)
     return [
         ("recipe", cfg.recipe),
@@ -155,10 +155,11 @@ def summary_rows(cfg, target: str) -> list[tuple[str, str]]:
         ),
         (
             "batch",
-            f"global {t.global_batch}, micro {t.micro_batch or 'whole per-rank batch'}, "
+            f"global {t.global_batch}, micro "
+            f"{layout.micro_batch if layout.n_micro > 1 else 'whole per-rank batch'}, "
             f"sequence {t.seq_len}",
         ),
         ("precision", f"{mp} ({target})"),
-        ("activation checkpointing", p.activation_checkpoint),
+        ("activation checkpointing", layout.activation_checkpoint),
         ("optimizer", t.optimizer),
     ]
