@@ -390,7 +390,8 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
     if main:
         write_run_config(run_dir, cfg)
     writer = MetricsWriter(run_dir if main else None, cfg.metrics.tensorboard)
-    memory = MemoryProfiler(cfg, trainer, run_dir)  # --profile.memory / --profile.snapshot
+    # --profile.memory / --profile.snapshot
+    memory = MemoryProfiler(cfg, mesh, trainer.model, trainer.optimizer, run_dir)
     # SIGTERM/SIGUSR1: save at this step and stop; a rank that does not get there within
     # timeout_s of its signal (hung) exits with one line instead.
     preemption = Preemption(mesh.device, cfg.parallel.timeout_s, lambda: trainer.step)
@@ -405,7 +406,7 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
     try:
         while trainer.step < cfg.train.steps:
             try:
-                with memory.step():
+                with memory.step(trainer.step + 1):
                     result = trainer.train_step(loader.next_batch())
             except NonFiniteError as e:
                 stopped = e
