@@ -15,6 +15,8 @@ import torch.distributed as dist
 
 from hybrid2d.checkpoint.dcp import Checkpointer, find_resume
 from hybrid2d.checkpoint.hf import describe_load, load_pretrained
+from hybrid2d.checkpoint.reader import MODEL, OPTIMIZER, TRAINER
+from hybrid2d.checkpoint.state import ModelState, OptimizerState, rng_state, set_rng_state
 from hybrid2d.config import ConfigError, JobConfig
 from hybrid2d.data import EvalSet, build_run_data
 from hybrid2d.data.chat import tokenizer_side_files
@@ -36,7 +38,7 @@ from hybrid2d.mesh import (
 )
 from hybrid2d.metrics import MetricsWriter, flops_per_token, peak_memory_bytes
 from hybrid2d.models.llama import Llama
-from hybrid2d.optim import build_optimizer, build_scheduler, clip_grad_norm
+from hybrid2d.optim import build_optimizer, build_scheduler, clip_grad_norm, follow_settings
 from hybrid2d.parallel import parallelize
 from hybrid2d.parallel.loss import cross_entropy, loss_tokens
 from hybrid2d.planner.hardware import Hardware, host_memory_bytes
@@ -93,6 +95,31 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.step = 0
         self.skipped_steps: list[int] = []  # steps whose update was skipped (non-finite)
+
+    def checkpoint_states(self) -> dict:
+        """What a checkpoint holds of this trainer, by place, in the order a load needs: the
+        optimizer's state before this trainer's own (load_state_dict sets its lr again)."""
+        return {
+            MODEL: ModelState(self.model),
+            OPTIMIZER: OptimizerState(self.model, self.optimizer),
+            TRAINER: self,
+        }
+
+    def state_dict(self) -> dict:
+        """Progress: steps taken, the schedule's position and the random generators."""
+        return {
+            "step": self.step,
+            "scheduler": self.scheduler.state_dict(),
+            "rng": rng_state(self.mesh.device),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore progress once the optimizer's state is loaded. Its param groups then hold the
+        saved run's lr, betas and weight decay; this launch's settings win over them."""
+        self.scheduler.load_state_dict(state["scheduler"])
+        follow_settings(self.optimizer, self.scheduler, self.cfg.train)
+        set_rng_state(state["rng"], self.mesh.device)
+        self.step = int(state["step"])
 
     def forward_backward(
         self,
@@ -352,16 +379,16 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
     loader, tokenizer = data.loader, data.tokenizer
     print0(data.describe())
     trainer = Trainer(cfg, mesh, resuming=resume_from is not None)
-    ckpt = Checkpointer(
-        ran, run_dir, trainer, loader, tokenizer, tokenizer_side_files(layout.tokenizer)
-    )
+    states = trainer.checkpoint_states() | {f"{TRAINER}.data": loader}
+    ckpt = Checkpointer(ran, run_dir, states, tokenizer, tokenizer_side_files(layout.tokenizer))
     if resume_from is not None:
         ckpt.load(resume_from)
     first_step = trainer.step + 1  # this launch's first step (after a resume: not 1)
     if main:
         write_run_config(run_dir, ran)
     writer = MetricsWriter(run_dir if main else None, cfg.metrics.tensorboard)
-    memory = MemoryProfiler(ran, trainer, run_dir)  # --profile.memory / --profile.snapshot
+    # --profile.memory / --profile.snapshot
+    memory = MemoryProfiler(cfg, mesh, trainer.model, trainer.optimizer, run_dir)
     # SIGTERM/SIGUSR1: save at this step and stop; a rank that does not get there within
     # timeout_s of its signal (hung) exits with one line instead.
     preemption = Preemption(mesh.device, cfg.parallel.timeout_s, lambda: trainer.step)
@@ -376,7 +403,7 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
     try:
         while trainer.step < cfg.train.steps:
             try:
-                with memory.step():
+                with memory.step(trainer.step + 1):
                     result = trainer.train_step(loader.next_batch())
             except NonFiniteError as e:
                 stopped = e

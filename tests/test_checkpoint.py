@@ -349,3 +349,95 @@ def test_a_failed_save_on_a_nearly_full_filesystem_says_so(tmp_path, monkeypatch
         line = ck._failure("sync", 4, tmp, error)
         assert line.startswith("rank 0: sync checkpoint save of step 4 failed: RuntimeError")
         assert (said in line) if said else ("free" not in line), line
+
+
+# ---- the Checkpointer over plain state objects (no trainer) ----------------------------------
+
+
+class Progress:
+    """A stand-in for the trainer's progress: the step the layout needs, and a tensor."""
+
+    def __init__(self, step, value):
+        self.step, self.value = step, torch.tensor(value)
+
+    def state_dict(self):
+        return {"step": self.step, "value": self.value.clone()}
+
+    def load_state_dict(self, state):
+        self.step, self.value = int(state["step"]), state["value"].clone()
+
+
+class Position:
+    """A stand-in for the data loader (which has the same two methods)."""
+
+    def __init__(self, consumed):
+        self.consumed = consumed
+
+    def state_dict(self):
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state):
+        self.consumed = int(state["consumed"])
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A 1-rank gloo process group, as the Checkpointer's collectives need one."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def make_states(seed, step, consumed):
+    """Model, optimizer (SGD with momentum: it has state), progress and data position."""
+    from hybrid2d.checkpoint.state import ModelState, OptimizerState
+
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    states = {
+        "model": ModelState(model),
+        "optimizer": OptimizerState(model, opt),
+        "trainer": Progress(step, float(seed)),
+        "trainer.data": Position(consumed),
+    }
+    return states, model, opt
+
+
+def test_the_checkpointer_saves_and_loads_plain_state_objects_without_a_trainer(
+    tmp_path, one_rank, capsys
+):
+    """What is saved is each object's state_dict at its place (trainer.data inside trainer, the
+    layout resumes and the HF converter read); a load gives each object back its own."""
+    from hybrid2d.checkpoint.dcp import Checkpointer
+
+    cfg = tiny_config(steps=10)
+    saved, model, opt = make_states(1, 4, 32)
+    ck = Checkpointer(cfg, tmp_path, saved)
+    ck.save(4)
+    ck.close()
+    path = layout.latest_in_run(tmp_path)
+    assert path == layout.final_dir(tmp_path, 4)
+    keys = set(read_metadata(path).state_dict_metadata)
+    assert {"trainer.step", "trainer.value", "trainer.data.consumed", "model.weight"} <= keys
+    assert any(k.startswith("optimizer.state.weight.momentum_buffer") for k in keys)
+
+    fresh, model2, opt2 = make_states(2, 0, 0)
+    assert not torch.equal(model.weight, model2.weight)
+    assert Checkpointer(cfg, tmp_path, fresh).load(path) == 4
+    assert "resumed from" in capsys.readouterr().out
+    assert torch.equal(model2.weight, model.weight) and torch.equal(model2.bias, model.bias)
+    assert torch.equal(
+        opt2.state[model2.weight]["momentum_buffer"], opt.state[model.weight]["momentum_buffer"]
+    )
+    assert (fresh["trainer"].step, fresh["trainer"].value.item()) == (4, 1.0)
+    assert fresh["trainer.data"].consumed == 32

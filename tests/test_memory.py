@@ -238,6 +238,31 @@ def test_memory_report_cli_estimates_and_says_what_fits(tmp_path, capsys):
     assert err.startswith("error: --run-dir") and "no config.json" in err and "\n" not in err
 
 
+def test_the_profiler_measures_the_model_and_optimizer_it_is_given_without_a_trainer(tmp_path):
+    """MemoryProfiler takes the mesh, model and optimizer and the step number, not a trainer:
+    a plain model's step is measured and written to rank0.json under that number."""
+    from types import SimpleNamespace
+
+    from hybrid2d.profiling.profiler import MemoryProfiler
+
+    cfg = recipes.get("llama-debug")
+    cfg.profile.memory = True
+    mesh = SimpleNamespace(device=torch.device("cpu"), dp_replicate=1, dp_shard=1, tp=1)
+    model = nn.Linear(64, 32)
+    optimizer = torch.optim.AdamW(model.parameters())
+    profiler = MemoryProfiler(cfg, mesh, model, optimizer, str(tmp_path))
+    with profiler.step(7):
+        model(torch.randn(8, 64)).sum().backward()
+        optimizer.step()
+    profiler.close()
+    saved = json.loads((tmp_path / "memory" / "rank0.json").read_text())
+    assert saved["mesh"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 1}
+    [step] = saved["steps"]
+    assert step["step"] == 7 and step["parameters"] == (64 * 32 + 32) * 4
+    assert step["optimizer"] == 2 * step["parameters"] + 2 * 4  # exp_avg, exp_avg_sq, a step each
+    assert profiler.scalars()["memory/parameters_gib"] == step["parameters"] / 2**30
+
+
 # ---- slow: real 4-process runs, simulation --------------------------------------------------
 
 _measured: dict = {}

@@ -4,7 +4,11 @@ The state saved is one nested dict (the layout the HF converter shares):
 
     {"model":     get_model_state_dict(model)       HF LlamaForCausalLM keys, sharded DTensors
      "optimizer": get_optimizer_state_dict(...)     keyed by the same names, sharded like them
-     "trainer":   {"step", "scheduler", "data": {samples_consumed, seed}, "rng": {...}}}
+     "trainer":   {"step", "scheduler", "rng": {...}, "data": {samples_consumed, seed}}}
+
+The Checkpointer is given the objects that own these parts (`Stateful`: `state_dict` and
+`load_state_dict`), each at its place in that dict, and knows nothing else of the run: what a
+load means for an object (the optimizer taking this launch's lr again) is the object's business.
 
 Every rank writes only its own shards; DCP records each shard's global offsets, so a checkpoint
 saved on one mesh loads on any other mesh and world size (DCP reshards on load). The data
@@ -43,18 +47,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.stateful import Stateful
 
 from hybrid2d.checkpoint import integrity, layout
 from hybrid2d.checkpoint.hf_tokens import source_files
 from hybrid2d.checkpoint.reader import (
-    MODEL,
-    OPTIMIZER,
     TRAINER,
     as_config_error,
     cause,
@@ -66,7 +63,6 @@ from hybrid2d.checkpoint.reader import (
 )
 from hybrid2d.config import CheckpointConfig, ConfigError, JobConfig
 from hybrid2d.mesh import agree, print0
-from hybrid2d.optim import follow_settings
 
 # Test hook: "STEP:RANK" makes that rank SIGKILL itself in the save of STEP, after the data was
 # written and before the checkpoint is published (the crash-safety test). Never set it otherwise.
@@ -161,18 +157,21 @@ def _finished(path: Path, step: int, steps: int) -> str:
 # ---- the training state ----------------------------------------------------------------------
 
 
-def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
-    state = {"torch": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
+def _inside(state: dict, place: str) -> tuple[dict, str]:
+    """(the dict that holds `place`, its last key): "trainer.data" -> (state["trainer"], "data")."""
+    *parents, key = place.split(".")
+    for name in parents:
+        state = state.setdefault(name, {})
+    return state, key
 
 
-def set_rng_state(state: dict, device: torch.device) -> None:
-    if "torch" in state:
-        torch.set_rng_state(state["torch"].cpu())
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+def _drop_unsaved_rng(state: dict, meta: Metadata) -> None:
+    """A generator the checkpoint holds no state of (a CPU checkpoint resumed on CUDA has no
+    cuda RNG) is left out of what is loaded: it keeps this launch's seeded state."""
+    rng = state.get(TRAINER, {}).get("rng", {})
+    for name in list(rng):
+        if f"{TRAINER}.rng.{name}" not in meta.state_dict_metadata:
+            del rng[name]
 
 
 def _missing_or_mismatched(template: dict, meta: Metadata) -> str | None:
@@ -206,22 +205,26 @@ def save_due(ck: CheckpointConfig, last: int, step: int) -> bool:
 
 
 class Checkpointer:
-    """Saves the trainer's state on schedule and restores it on resume (see the module doc)."""
+    """Saves the state of `states` on schedule and restores it on resume (see the module doc).
+
+    `states` maps a place in the saved dict to the object whose state goes there, dots nesting
+    ("trainer.data" is the "data" entry of "trainer"'s dict). A place inside another comes after
+    it; a load fills them in this order, so an object may rely on those before it being loaded.
+    The "trainer" state holds the step (find_resume checks for it).
+    """
 
     def __init__(
         self,
         cfg: JobConfig,
         run_dir: str | os.PathLike,
-        trainer,
-        loader,
+        states: dict[str, Stateful],
         tokenizer=None,
         side_files: dict[str, str] | None = None,
     ):
         self.cfg = cfg
         self.ck = cfg.checkpoint
         self.run_dir = Path(run_dir)
-        self.trainer = trainer
-        self.loader = loader
+        self.states = dict(states)
         self.tokenizer_json = tokenizer.to_str() if tokenizer is not None else None
         # Small files every checkpoint carries (rank 0 writes them): the tokenizer's
         # (tokenizer_config.json, chat_template.jinja, ...) and the HF configs of the model
@@ -231,7 +234,6 @@ class Checkpointer:
         if self.rank == 0 and self.ck.init_from:
             self.side_files |= source_files(self.ck.init_from, cfg.model, self.tokenizer_json)
         self.world = dist.get_world_size()
-        self.device = trainer.mesh.device
         self.saved: list[dict] = []  # per save: step, blocking_s, total_s, bytes
         self._pending: Future | None = None
         self._last_saved_step: int | None = None
@@ -247,17 +249,12 @@ class Checkpointer:
     # -- state ---------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        t = self.trainer
-        return {
-            MODEL: get_model_state_dict(t.model),
-            OPTIMIZER: get_optimizer_state_dict(t.model, t.optimizer),
-            TRAINER: {
-                "step": t.step,
-                "scheduler": t.scheduler.state_dict(),
-                "data": self.loader.state_dict(),
-                "rng": rng_state(self.device),
-            },
-        }
+        """The nested dict DCP writes: each object's state_dict() at its place."""
+        state: dict = {}
+        for place, obj in self.states.items():
+            holder, key = _inside(state, place)
+            holder[key] = obj.state_dict()
+        return state
 
     # -- saving --------------------------------------------------------------------------------
 
@@ -386,18 +383,14 @@ class Checkpointer:
     # -- resuming ------------------------------------------------------------------------------
 
     def load(self, path: Path) -> int:
-        """Restore model, optimizer, schedule, data position and RNG from `path`; returns the
+        """Restore every object's state from `path`, in the order of `states`; returns the
         step. Any problem is one ConfigError on every rank, raised before dcp.load."""
         start = time.perf_counter()
-        t = self.trainer
-        state = self.state_dict()
+        state = self.state_dict()  # the objects' current state: what dcp.load fills in place
 
         def check() -> None:
             meta = read_metadata(path)
-            rng = state[TRAINER]["rng"]
-            for name in list(rng):  # e.g. a CPU checkpoint resumed on CUDA has no cuda RNG
-                if f"{TRAINER}.rng.{name}" not in meta.state_dict_metadata:
-                    del rng[name]
+            _drop_unsaved_rng(state, meta)
             problem = _missing_or_mismatched(state, meta)
             if problem:
                 saved = read_config(path)
@@ -427,29 +420,25 @@ class Checkpointer:
         what = f"checkpoint {path} cannot be loaded"
         with as_config_error(what, "it is truncated or corrupted, use an earlier one"):
             dcp.load(state, checkpoint_id=str(path))
-        set_model_state_dict(t.model, state[MODEL])
-        set_optimizer_state_dict(t.model, t.optimizer, state[OPTIMIZER])
-        saved = state[TRAINER]
-        t.scheduler.load_state_dict(saved["scheduler"])
-        follow_settings(t.optimizer, t.scheduler, self.cfg.train)  # not the saved run's lr
-        self.loader.load_state_dict(saved["data"])
-        set_rng_state(saved["rng"], self.device)
-        t.step = int(saved["step"])
-        self._last_saved_step = t.step
-        if t.step >= self.cfg.train.steps:
-            raise ConfigError(_finished(path, t.step, self.cfg.train.steps))
-        print0(f"resumed from {path} at step {t.step} ({time.perf_counter() - start:.2f} s)")
+        for place, obj in self.states.items():
+            holder, key = _inside(state, place)
+            obj.load_state_dict(holder[key])
+        step = int(state[TRAINER]["step"])
+        self._last_saved_step = step
+        if step >= self.cfg.train.steps:
+            raise ConfigError(_finished(path, step, self.cfg.train.steps))
+        print0(f"resumed from {path} at step {step} ({time.perf_counter() - start:.2f} s)")
         stop_after = self.cfg.checkpoint.stop_after
-        if stop_after and stop_after <= t.step:
+        if stop_after and stop_after <= step:
             print0(
-                f"note: checkpoint.stop_after={stop_after} is not after the resumed step {t.step}, "
+                f"note: checkpoint.stop_after={stop_after} is not after the resumed step {step}, "
                 f"so this run goes on to train.steps={self.cfg.train.steps}; give a later step "
                 "to stop early again"
             )
         changed = changed_since(read_config(path), self.cfg)
         if changed:
             print0(f"resumed with settings changed since that checkpoint: {', '.join(changed)}")
-        return t.step
+        return step
 
 
 # Free space below which a failed save's line says the filesystem may be full.

@@ -1,8 +1,9 @@
 """The training loop's memory profiler: `--profile.memory` and `--profile.snapshot`.
 
-The trainer makes one `MemoryProfiler` and calls it at four places: `step()` around each
-`train_step`, `scalars()` for TensorBoard, `close()` in its `finally`, and `write_report()` once
-training ended normally. With both settings off every call is a no-op.
+The trainer makes one `MemoryProfiler`, given the mesh, model and optimizer it measures, and
+calls it at four places: `step(n)` around step n's `train_step`, `scalars()` for TensorBoard,
+`close()` in its `finally`, and `write_report()` once training ended normally. With both
+settings off every call is a no-op.
 
 - `--profile.memory`: each rank measures each step (`measure.measure_step`) and writes
   `RUN/memory/rank{r}.json` (every step's figures and this rank's estimate); rank 0 logs
@@ -31,10 +32,11 @@ from hybrid2d.profiling.report import Entry, Report, write
 
 
 class MemoryProfiler:
-    def __init__(self, cfg, trainer, run_dir: str):
+    def __init__(self, cfg, mesh, model, optimizer, run_dir: str):
         self.cfg = cfg
-        self.trainer = trainer
-        self.mesh = trainer.mesh
+        self.mesh = mesh
+        self.model = model
+        self.optimizer = optimizer
         self.enabled = bool(cfg.profile.memory)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
@@ -54,14 +56,13 @@ class MemoryProfiler:
             torch.cuda.memory._record_memory_history(max_entries=200_000)
 
     @contextlib.contextmanager
-    def step(self):
-        """Around one `train_step`: measure it (when enabled)."""
+    def step(self, number: int):
+        """Around `train_step` of step `number`: measure it (when enabled)."""
         if not self.enabled:
             yield
             return
 
-        t = self.trainer
-        with measure_step(t.model, t.optimizer, t.step + 1, self.rank) as result:
+        with measure_step(self.model, self.optimizer, number, self.rank) as result:
             yield
         self.records.append(result[0].to_dict())
 
