@@ -331,27 +331,6 @@ class JobConfig:
 
     # ---- validation -------------------------------------------------------------------------
 
-    def resolve_mesh(self, world_size: int) -> tuple[int, int, int]:
-        """(dp_replicate, dp_shard, tp) for this world size, or a ConfigError naming the problem
-        (each size on its own is in its range: check_settings)."""
-        p = self.parallel
-        dp_shard = p.dp_shard
-        if dp_shard == -1:
-            if world_size % (p.dp_replicate * p.tp):
-                raise ConfigError(
-                    f"world size {world_size} is not divisible by parallel.dp_replicate x "
-                    f"parallel.tp = {p.dp_replicate} x {p.tp}; pick tp among "
-                    f"{_divisors(world_size)}"
-                )
-            dp_shard = world_size // (p.dp_replicate * p.tp)
-        if p.dp_replicate * dp_shard * p.tp != world_size:
-            raise ConfigError(
-                f"world size {world_size} != parallel.dp_replicate x parallel.dp_shard x "
-                f"parallel.tp = {p.dp_replicate} x {dp_shard} x {p.tp}; set parallel.dp_shard=-1 "
-                f"or sizes whose product is {world_size}"
-            )
-        return p.dp_replicate, dp_shard, p.tp
-
     def check_settings(self) -> None:
         """Every setting on its own: its type, its choices, and its range (finite numbers)."""
         for name, (owner, f) in _leaf_fields(self).items():
@@ -365,79 +344,6 @@ class JobConfig:
                 f"model.rope_scaling_factor={m.rope_scaling_factor} (llama3 uses 4 and 1)"
             )
 
-    def validate(self, world_size: int) -> tuple[int, int, int]:
-        """Check every setting that can be checked without a process group; return the mesh."""
-        self.check_settings()
-        m, t = self.model, self.train
-        dp_rep, dp_shard, tp = self.resolve_mesh(world_size)
-        dp = dp_rep * dp_shard
-        split = (
-            ("model.n_heads", m.n_heads),
-            ("model.n_kv_heads", m.n_kv_heads),
-            ("model.ffn_dim", m.ffn_dim),
-            ("model.vocab_size", m.vocab_size),
-        )
-        for what, value in split:
-            if value % tp:
-                # The sizes that pass every one of these checks and divide the world.
-                fits = [d for d in _divisors(world_size) if all(v % d == 0 for _, v in split)]
-                raise ConfigError(
-                    f"parallel.tp={tp} does not divide {what}={value}; use tp in {fits}"
-                )
-        if m.dim % m.n_heads:
-            raise ConfigError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
-        if m.head_dim % 2:
-            raise ConfigError(
-                f"model.dim / model.n_heads = {m.dim} / {m.n_heads} = {m.head_dim}, an odd head "
-                "size; RoPE rotates pairs of channels, use an even one"
-            )
-        if m.n_heads % m.n_kv_heads:
-            raise ConfigError(
-                f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}"
-            )
-        if t.seq_len % tp:
-            raise ConfigError(
-                f"train.seq_len={t.seq_len} is not divisible by parallel.tp={tp} "
-                f"(sequence parallel splits the sequence); use a multiple of {tp}"
-            )
-        if t.global_batch % dp:
-            raise ConfigError(
-                f"train.global_batch={t.global_batch} is not divisible by the data-parallel size "
-                f"{dp} (dp_replicate x dp_shard); use a multiple of {dp}"
-            )
-        if t.seq_len > m.max_position_embeddings:
-            raise ConfigError(
-                f"train.seq_len={t.seq_len} is longer than model.max_position_embeddings="
-                f"{m.max_position_embeddings}, the positions the model is built for (and its "
-                "export says); use a shorter seq_len, or for a new model a larger "
-                "model.max_position_embeddings"
-            )
-        c = self.checkpoint
-        if c.stop_after and c.stop_after >= t.steps:
-            raise ConfigError(
-                f"checkpoint.stop_after={c.stop_after} is not before the last step "
-                f"(train.steps={t.steps}), so it would not stop the run early; use a step below "
-                f"{t.steps}, or 0"
-            )
-        d = self.data
-        if d.val_path and d.val_fraction:
-            raise ConfigError(
-                f"data.val_path={d.val_path!r} and data.val_fraction={d.val_fraction} both name "
-                "validation data; set one of them"
-            )
-        if t.eval_every and not (d.val_path or d.val_fraction):
-            raise ConfigError(
-                f"train.eval_every={t.eval_every} needs validation data; set data.val_path or "
-                "data.val_fraction"
-            )
-        local = t.global_batch // dp
-        if t.micro_batch and local % t.micro_batch:
-            raise ConfigError(
-                f"train.micro_batch={t.micro_batch} does not divide the per-rank batch {local} "
-                f"(global_batch / dp); use one of {_divisors(local)} or 0"
-            )
-        return dp_rep, dp_shard, tp
-
 
 def resolve_mixed_precision(setting: str, device_type: str) -> str:
     """The compute precision parallel.mixed_precision means on this device: "bf16" or "fp32".
@@ -450,10 +356,6 @@ def resolve_mixed_precision(setting: str, device_type: str) -> str:
     if setting in ("bf16", "fp32"):
         return setting
     raise ConfigError(f"parallel.mixed_precision={setting!r} is not one of 'auto', 'bf16', 'fp32'")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0] if n > 0 else []
 
 
 def check_range(name: str, value) -> None:

@@ -33,6 +33,13 @@ SMALL = 200_000
 VOCAB = 512
 
 
+def loader_of(ds, global_batch: int, dp_rank: int, dp: int, micro_batch: int, seed: int):
+    """The loader of dp rank `dp_rank` of `dp` for a global batch split as the layout splits it."""
+    cfg = JobConfig()
+    cfg.train.global_batch, cfg.train.micro_batch = global_batch, micro_batch
+    return GlobalBatchLoader(ds, RunLayout.build(cfg, dp, dp_shard=dp, tp=1), dp_rank, seed)
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """One small BPE trained on the built-in corpus, shared by the tokenizer tests."""
@@ -267,8 +274,8 @@ def _local(loader):
 @pytest.mark.parametrize("dp_size", [1, 2, 4])
 def test_union_of_ranks_is_the_global_batch(dp_size):
     ds, gb, seed = _dataset(), 8, 3
-    loaders = [GlobalBatchLoader(ds, gb, r, dp_size, 0, seed) for r in range(dp_size)]
-    ref = GlobalBatchLoader(ds, gb, 0, 1, 0, seed)
+    loaders = [loader_of(ds, gb, r, dp_size, 0, seed) for r in range(dp_size)]
+    ref = loader_of(ds, gb, 0, 1, 0, seed)
     for step in range(12):  # 96 samples over 37 per epoch: crosses two epoch boundaries
         parts = [_local(ld) for ld in loaders]
         inputs, labels = ref.global_batch_at(step * gb)
@@ -281,8 +288,8 @@ def test_union_of_ranks_is_the_global_batch(dp_size):
 
 def test_micro_batches_split_the_local_slice():
     ds = _dataset()
-    whole = GlobalBatchLoader(ds, 8, 1, 2, 0, 0)
-    split = GlobalBatchLoader(ds, 8, 1, 2, 2, 0)
+    whole = loader_of(ds, 8, 1, 2, 0, 0)
+    split = loader_of(ds, 8, 1, 2, 2, 0)
     for _ in range(3):
         ((full_in, full_lab),) = whole.next_batch()
         micro = split.next_batch()
@@ -290,23 +297,23 @@ def test_micro_batches_split_the_local_slice():
         assert torch.equal(torch.cat([m[0] for m in micro]), full_in)
         assert torch.equal(torch.cat([m[1] for m in micro]), full_lab)
     with pytest.raises(ConfigError):
-        GlobalBatchLoader(ds, 8, 0, 2, 3, 0)
+        loader_of(ds, 8, 0, 2, 3, 0)
     with pytest.raises(ConfigError):
-        GlobalBatchLoader(ds, 6, 0, 4, 0, 0)
+        loader_of(ds, 6, 0, 4, 0, 0)
 
 
 @pytest.mark.parametrize("before,after", [(2, 4), (4, 1), (1, 2)])
 def test_resume_on_another_dp_size(before, after):
     ds, gb, seed = _dataset(), 8, 5
-    first = [GlobalBatchLoader(ds, gb, r, before, 0, seed) for r in range(before)]
+    first = [loader_of(ds, gb, r, before, 0, seed) for r in range(before)]
     for _ in range(3):
         for ld in first:
             ld.next_batch()
     state = first[0].state_dict()
-    resumed = [GlobalBatchLoader(ds, gb, r, after, 0, seed) for r in range(after)]
+    resumed = [loader_of(ds, gb, r, after, 0, seed) for r in range(after)]
     for ld in resumed:
         ld.load_state_dict(state)
-    straight = GlobalBatchLoader(ds, gb, 0, 1, 0, seed)
+    straight = loader_of(ds, gb, 0, 1, 0, seed)
     for _ in range(3):
         straight.next_batch()
     for _ in range(4):
@@ -315,13 +322,13 @@ def test_resume_on_another_dp_size(before, after):
         assert torch.equal(torch.cat([p[0] for p in parts]), expected_in)
         assert torch.equal(torch.cat([p[1] for p in parts]), expected_lab)
     with pytest.raises(ConfigError) as e:
-        GlobalBatchLoader(ds, gb, 0, 1, 0, seed + 1).load_state_dict(state)
+        loader_of(ds, gb, 0, 1, 0, seed + 1).load_state_dict(state)
     _one_line_error(e, "train.seed")
 
 
 def test_epochs_wrap_deterministically():
     ds, gb, seed = _dataset(n_samples=10), 4, 7
-    loader = GlobalBatchLoader(ds, gb, 0, 1, 0, seed)
+    loader = loader_of(ds, gb, 0, 1, 0, seed)
     seen = torch.cat([_local(loader)[0] for _ in range(10)])  # 40 samples = 4 epochs
     first_token = seen[:, 0] // ds.seq_len  # sample index of each row (tokens are arange)
     for epoch in range(4):
@@ -329,7 +336,7 @@ def test_epochs_wrap_deterministically():
         g = torch.Generator().manual_seed(seed + epoch)
         assert torch.equal(order, torch.randperm(10, generator=g))
     assert not torch.equal(first_token[:10], first_token[10:20])
-    again = GlobalBatchLoader(ds, gb, 0, 1, 0, seed)
+    again = loader_of(ds, gb, 0, 1, 0, seed)
     assert torch.equal(torch.cat([_local(again)[0] for _ in range(10)]), seen)
 
 

@@ -228,9 +228,7 @@ def build_run_data(
         stats["train"] = train_stats.to_dict()
     if val_stats is not None:
         stats["val"] = val_stats.to_dict()
-    loader = GlobalBatchLoader(
-        dataset, layout.global_batch, dp_rank, layout.dp, layout.micro_batch, t.seed
-    )
+    loader = GlobalBatchLoader(dataset, layout, dp_rank, t.seed)
     return RunData(loader, tok, val, kind, stats)
 
 

@@ -14,6 +14,7 @@ import torch
 
 from hybrid2d.config import ConfigError
 from hybrid2d.data.packing import PackedDataset
+from hybrid2d.layout import RunLayout
 
 
 class GlobalBatchLoader:
@@ -22,39 +23,18 @@ class GlobalBatchLoader:
     Position p belongs to epoch p // N (N = len(dataset)) and maps to sample perm_e[p % N], where
     perm_e = torch.randperm(N) drawn from a generator seeded with seed + epoch. Rank r of dp_size
     takes the contiguous slice [r*B/dp, (r+1)*B/dp) of the step's positions and splits it into
-    micro batches of micro_batch samples (0: the whole slice at once).
+    micro batches of the layout's micro batch size.
     """
 
-    def __init__(
-        self,
-        dataset: PackedDataset,
-        global_batch: int,
-        dp_rank: int,
-        dp_size: int,
-        micro_batch: int = 0,
-        seed: int = 0,
-    ):
-        if global_batch < 1:
-            raise ConfigError(f"train.global_batch={global_batch} must be >= 1")
-        if dp_size < 1 or not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank={dp_rank} is not in [0, dp_size={dp_size})")
-        if global_batch % dp_size:
-            raise ConfigError(
-                f"train.global_batch={global_batch} is not divisible by the "
-                f"data-parallel size {dp_size}; use a multiple of {dp_size}"
-            )
-        local = global_batch // dp_size
-        if micro_batch < 0 or (micro_batch and local % micro_batch):
-            raise ConfigError(
-                f"train.micro_batch={micro_batch} does not divide the per-rank "
-                f"batch {local}; use a divisor of {local}, or 0"
-            )
+    def __init__(self, dataset: PackedDataset, layout: RunLayout, dp_rank: int, seed: int = 0):
+        if not 0 <= dp_rank < layout.dp:
+            raise ValueError(f"dp_rank={dp_rank} is not in [0, dp={layout.dp})")
         self.dataset = dataset
-        self.global_batch = global_batch
+        self.global_batch = layout.global_batch
         self.dp_rank = dp_rank
-        self.dp_size = dp_size
-        self.local_batch = local
-        self.micro_batch = micro_batch or local
+        self.dp_size = layout.dp
+        self.local_batch = layout.local_batch
+        self.micro_batch = layout.micro_batch
         self.seed = seed
         self.samples_consumed = 0
         self._perms: dict[int, np.ndarray] = {}
