@@ -26,6 +26,8 @@ NEVER_TRAINER = (
     "data",
     "mesh",
     "launcher",
+    "metrics",
+    "planner",
 )
 
 
