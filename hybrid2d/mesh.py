@@ -250,29 +250,34 @@ def agree(error: str | None, group=None) -> None:
         raise ConfigError(error)
 
 
-def agree_on_settings(settings: dict) -> None:
+def agree_on_settings(settings: dict, layout: dict | None = None) -> None:
     """ConfigError on every rank when ranks were launched with different settings (nodes started
-    with different command lines or config files), naming the first that differ. Called before
-    the mesh is built: with another tp on one node, the ranks would build different groups and
-    wait on each other with nothing said."""
+    with different command lines or config files), naming the first that differ; where the
+    settings agree, when they resolved another `layout` (RunLayout.settings(): the launcher's
+    environment or a checkpoint differed). Called before the mesh is built: with another tp on
+    one node, the ranks would build different groups and wait on each other with nothing said."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     flat = {f"{section}.{key}": value for section, d in settings.items() if isinstance(d, dict)
             for key, value in d.items()}  # fmt: skip
-    seen: list[dict | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, flat)
-    first = seen[0]
-    for rank, other in enumerate(seen):
-        differ = [k for k in sorted(first.keys() | other.keys()) if first.get(k) != other.get(k)]
-        if differ:
-            shown = ", ".join(
-                f"{k}={other.get(k)!r} (rank 0: {first.get(k)!r})" for k in differ[:3]
-            )
-            more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
-            raise ConfigError(
-                f"rank {rank} was launched with other settings than rank 0: {shown}{more}; "
-                "launch every node with the same command line and config"
-            )
+    seen: list[tuple | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (flat, layout or {}))
+    for what, index in (("other settings than rank 0", 0), ("another layout than rank 0", 1)):
+        first = seen[0][index]
+        for rank, other in enumerate(entry[index] for entry in seen):
+            differ = [
+                k for k in sorted(first.keys() | other.keys()) if first.get(k) != other.get(k)
+            ]
+            if differ:
+                shown = ", ".join(
+                    f"{k}={other.get(k)!r} (rank 0: {first.get(k)!r})" for k in differ[:3]
+                )
+                more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
+                how = "" if index == 0 else " (its launcher environment or files differ)"
+                raise ConfigError(
+                    f"rank {rank} was launched with {what}: {shown}{more}{how}; "
+                    "launch every node with the same command line and config"
+                )
 
 
 def on_rank0(fn):

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,13 +33,14 @@ from hybrid2d.mesh import (
     set_cpu_threads,
     shutdown_distributed,
 )
-from hybrid2d.metrics import MetricsWriter, flops_per_token, peak_memory_bytes
+from hybrid2d.metrics import MetricsWriter
+from hybrid2d.metrics.progress import RunProgress
+from hybrid2d.metrics.summary import run_summary, write_summary
 from hybrid2d.models.llama import Llama
 from hybrid2d.optim import build_optimizer, build_scheduler, clip_grad_norm, follow_settings
 from hybrid2d.parallel import parallelize
 from hybrid2d.parallel.loss import cross_entropy, loss_tokens
-from hybrid2d.planner.hardware import Hardware, host_memory_bytes
-from hybrid2d.planner.launch import guess_note, prediction, profile_for
+from hybrid2d.planner.launch import check_planned_memory, describe_plan, planned, planner_profile
 from hybrid2d.preemption import Preemption
 from hybrid2d.profiling.profiler import MemoryProfiler
 from hybrid2d.resolve import resolve_layout
@@ -226,44 +224,6 @@ class Trainer:
 # ---- the whole run --------------------------------------------------------------------------
 
 
-class _Bar:
-    """A progress bar on rank 0's terminal."""
-
-    def __init__(self, total: int):
-        from tqdm import tqdm
-
-        self._bar = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
-
-    def show(self, step: int, figures: dict, logged: bool) -> None:
-        self._bar.set_postfix(figures)
-        self._bar.update(1)
-
-    def close(self) -> None:
-        self._bar.close()
-
-
-class _Lines:
-    """Where stderr is no terminal (a log file, a batch system), a bar's carriage returns make
-    one endless line: a plain line per logged step instead."""
-
-    def __init__(self, total: int):
-        self._total = total
-
-    def show(self, step: int, figures: dict, logged: bool) -> None:
-        if logged:
-            shown = "  ".join(f"{k} {v}" for k, v in figures.items())
-            print(f"step {step}/{self._total}  {shown}", flush=True)
-
-    def close(self) -> None:
-        pass
-
-
-def _progress(total: int, enabled: bool) -> _Bar | _Lines | None:
-    if not enabled or dist.get_rank() != 0:
-        return None
-    return _Bar(total) if sys.stderr.isatty() else _Lines(total)
-
-
 def run(cfg: JobConfig, set_on_cli: frozenset[str] | set[str] = frozenset()) -> dict:
     """Resolve the layout, start the process group, train, summarise, shut down. Returns the
     summary. `set_on_cli`: the settings the command line gave (they win over the launcher's
@@ -278,9 +238,9 @@ def run(cfg: JobConfig, set_on_cli: frozenset[str] | set[str] = frozenset()) -> 
     failed_alone = False
     try:
         # Before any group is built, over the default one. data.cache_dir may be node-local.
-        settings = layout.recorded(cfg)
+        settings = cfg.to_dict()
         settings["data"].pop("cache_dir")
-        agree_on_settings(settings)
+        agree_on_settings(settings, layout.settings())
         mesh = build_mesh(device_type, layout, cfg.parallel.timeout_s)
         if plan_line:
             print0(plan_line)
@@ -305,51 +265,6 @@ def run(cfg: JobConfig, set_on_cli: frozenset[str] | set[str] = frozenset()) -> 
         shutdown_distributed(wait_for_peers=not failed_alone)
 
 
-def planner_profile(cfg: JobConfig, device_type: str) -> Hardware:
-    try:
-        return profile_for(cfg.parallel.plan_hardware, device_type)
-    except ConfigError as e:
-        raise ConfigError(f"parallel.plan_hardware={cfg.parallel.plan_hardware!r}: {e}") from None
-
-
-def memory_per_rank(device: torch.device, ranks_on_host: int) -> tuple[int, str]:
-    """(bytes, what) a rank may use: its CUDA device's memory, or the host's RAM shared by
-    the ranks on it."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory, "the CUDA device's"
-    share = host_memory_bytes() // max(ranks_on_host, 1)
-    return share, f"this host's RAM over its {ranks_on_host} rank(s)"
-
-
-def check_planned_memory(plan: dict, mesh: Mesh, ranks_on_host: int) -> None:
-    """ConfigError when the plan's peak per rank is more than a rank has: the run would end in
-    an out-of-memory error (or the OOM killer) after data and model were built."""
-    if "peak_bytes" not in plan:
-        return
-    have, what = memory_per_rank(mesh.device, ranks_on_host)
-    if plan["peak_bytes"] > have:
-        raise ConfigError(
-            f"the plan puts this run's peak at {plan['peak_bytes'] / 2**30:.3g} GiB per rank, "
-            f"more than {what} {have / 2**30:.3g} GiB; use more ranks (dp_shard or tp), "
-            "--parallel.activation_checkpoint full or a smaller --train.micro_batch "
-            "(tools/plan.py ranks what fits), or --parallel.check_memory false to try anyway"
-        )
-
-
-def planned(cfg: JobConfig, mesh: Mesh, hw: Hardware, per_node: int) -> dict:
-    """The planner's prediction for the launched configuration (step time, peak per rank)."""
-    try:
-        c = prediction(cfg, mesh.layout, hw, per_node)
-    except ConfigError as e:  # the planner cannot price it: say so, train anyway
-        return {"hardware": hw.name, "error": str(e)}
-    return {
-        "hardware": hw.name,
-        "step_s": c.step_s,
-        "peak_bytes": round(c.peak_gib * 2**30),
-        "guess": guess_note(hw),
-    }
-
-
 def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
 
     torch.manual_seed(cfg.train.seed)
@@ -365,14 +280,7 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
         f"{mesh.device.type} ({describe_transport(mesh)}), tokenizer "
         f"{describe_tokenizer(cfg, layout)}, run dir {run_dir}"
     )
-    if "error" in plan:
-        print0(f"plan ({plan['hardware']}): no prediction: {plan['error']}")
-    else:
-        guess = f"; {plan['guess']}" if plan["guess"] else ""
-        print0(
-            f"plan ({plan['hardware']} profile): predicted {plan['step_s']:.3g} s/step, "
-            f"{plan['peak_bytes'] / 2**30:.3g} GiB peak per rank{guess}"
-        )
+    print0(describe_plan(plan))
     # A bad --checkpoint.resume fails here, on every rank, before data and model are built.
     resume_from = find_resume(cfg, run_dir)
     data = build_run_data(cfg, layout, mesh.dp_rank, main, dist.barrier)
@@ -392,168 +300,67 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
     # SIGTERM/SIGUSR1: save at this step and stop; a rank that does not get there within
     # timeout_s of its signal (hung) exits with one line instead.
     preemption = Preemption(mesh.device, cfg.parallel.timeout_s, lambda: trainer.step)
-    bar = _progress(cfg.train.steps, cfg.metrics.progress_bar)
-    tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
-    fpt = flops_per_token(layout.model, cfg.train.seq_len)
-    losses, times = [], []
-    evals: list[dict] = []  # {step, loss, ppl} per validation
-    eval_every = cfg.train.eval_every
+    progress = RunProgress(cfg, mesh, writer)
     wall_start = time.perf_counter()
-    stopped = None  # a NonFiniteError (every rank raises it together): raised after the summary
     try:
-        while trainer.step < cfg.train.steps:
-            try:
-                with memory.step(trainer.step + 1):
-                    result = trainer.train_step(loader.next_batch())
-            except NonFiniteError as e:
-                stopped = e
-                break
-            writer.scalars(result.step, memory.scalars())
-            if result.skipped:
-                print0(f"step {result.step}: non-finite loss/grad norm, update skipped")
-            losses.append(result.loss)
-            times.append(result.seconds)
-            tps = tokens_per_step / result.seconds
-            logged = result.step % cfg.metrics.log_every == 0 or result.step == cfg.train.steps
-            if logged:
-                writer.scalars(
-                    result.step,
-                    {
-                        "train/loss": result.loss,
-                        "train/lr": result.lr,
-                        "train/grad_norm": result.grad_norm,
-                        "perf/tokens_per_s": tps,
-                        "perf/step_time_s": result.seconds,
-                        "perf/tflops_per_rank": fpt * tps / dist.get_world_size() / 1e12,
-                        "memory/peak_gib": peak_memory_bytes(mesh.device) / 2**30,
-                    },
-                )
-            last = trainer.step in (cfg.train.steps, cfg.checkpoint.stop_after)
-            if data.val is not None and ((eval_every and result.step % eval_every == 0) or last):
-                val_loss, val_ppl = trainer.evaluate(data.val, preemption.progress)
-                evals.append({"step": result.step, "loss": val_loss, "ppl": val_ppl})
-                writer.scalars(result.step, {"val/loss": val_loss, "val/ppl": val_ppl})
-                if bar is None:
-                    print0(f"step {result.step}: val/loss {val_loss:.4f}, val/ppl {val_ppl:.2f}")
-            if bar is not None:
-                post = {
-                    "loss": f"{result.loss:.4f}",
-                    "lr": f"{result.lr:.2e}",
-                    "grad_norm": f"{result.grad_norm:.3f}",
-                    "tok_s": f"{tps:,.0f}",
-                }
-                evaluated = bool(evals) and evals[-1]["step"] == result.step
-                if evals and (evaluated or isinstance(bar, _Bar)):  # a line: only when it ran
-                    post["val_loss"] = f"{evals[-1]['loss']:.4f}"
-                    post["val_ppl"] = f"{evals[-1]['ppl']:.2f}"
-                bar.show(result.step, post, logged or evaluated)
-            preemption.progress()  # a save may follow: timeout_s for it, not since the signal
-            ckpt.maybe_save(trainer.step)
-            if trainer.step == cfg.checkpoint.stop_after:
-                break
-            if preemption.requested():
-                ckpt.ensure_saved(trainer.step)
-                print0(
-                    f"{preemption.signal_name or 'a signal on another rank'}: saved a checkpoint "
-                    f"at step {trainer.step} and stopped; relaunch with --checkpoint.resume auto"
-                )
-                break
+        stopped = _steps(cfg, trainer, data, ckpt, memory, preemption, progress)
     finally:
         preemption.close()
         ckpt.close()  # waits for an async save still being written
         memory.close()
-        if bar is not None:
-            bar.close()
-        writer.close()
+        progress.close()
     wall = time.perf_counter() - wall_start
     memory.write_report()
-    # Each rank's peak (the CUDA allocator's, else process RSS) and the peak of its tensors where
-    # one was measured (CUDA: the same; elsewhere --profile.memory's tracker), which the plan's
-    # tensor estimate can be compared with; RSS also counts the interpreter and libraries.
-    on_cuda = mesh.device.type == "cuda"
-    own = peak_memory_bytes(mesh.device)
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (own, own if on_cuda else memory.tensor_peak()))
-    peaks = [peak for peak, _ in gathered]
-    tensor_peaks = [tensors for _, tensors in gathered]
-    # Skip the first steps (allocation, warm-up) when there are enough to measure steady state.
-    steady = times[3:] if len(times) > 6 else times
-    if "error" not in plan and steady:
-        measured_step = sum(steady) / len(steady)
-        plan.update(measured_step_s=measured_step, step_error=plan["step_s"] / measured_step - 1)
-        if all(tensor_peaks):
-            plan.update(
-                measured_peak_bytes=max(tensor_peaks),
-                peak_error=plan["peak_bytes"] / max(tensor_peaks) - 1,
-                peak_measured_as="tensors, " + ("CUDA allocator" if on_cuda else "profile.memory"),
-            )
-    summary = {
-        "recipe": cfg.recipe,
-        "mesh": {"dp_replicate": mesh.dp_replicate, "dp_shard": mesh.dp_shard, "tp": mesh.tp},
-        "steps": trainer.step,
-        "first_step": first_step,  # losses[i] is step first_step + i: this launch's steps
-        "first_loss": losses[0] if losses else None,
-        "last_loss": losses[-1] if losses else None,
-        "losses": losses,
-        "tokens_per_s": tokens_per_step * len(steady) / sum(steady) if steady else 0.0,
-        "time_s": wall,
-        "peak_memory_bytes_per_rank": peaks,
-        "run_dir": run_dir,
-        "resumed_from": None if resume_from is None else str(resume_from),
-        "checkpoints": ckpt.saved,
-        "preempted": preemption.stopping,  # a signal on any rank stopped the run
-        "data": {"kind": data.kind, **{k: v for k, v in data.stats.items() if k != "train_stats"}},
-        "val": evals,
-        "val_loss": evals[-1]["loss"] if evals else None,
-        "val_ppl": evals[-1]["ppl"] if evals else None,
-        "plan": plan,
-        "stopped": None if stopped is None else str(stopped),
-    }
+    summary = run_summary(
+        progress,
+        mesh,
+        plan,
+        recipe=cfg.recipe,
+        steps=trainer.step,
+        first_step=first_step,
+        time_s=wall,
+        run_dir=run_dir,
+        resumed_from=resume_from,
+        checkpoints=ckpt.saved,
+        preempted=preemption.stopping,  # a signal on any rank stopped the run
+        data=data,
+        tensor_peak=memory.tensor_peak(),
+        stopped=stopped,
+    )
     if main:
-        with open(os.path.join(run_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-        print(format_summary(summary), flush=True)
+        write_summary(run_dir, summary)
     if stopped is not None:
         raise stopped
     return summary
 
 
-def _plan_line(p: dict) -> str:
-    if "peak_error" in p:
-        memory = (
-            f"against {p['measured_peak_bytes'] / 2**30:.3g} measured ({p['peak_error']:+.0%}, "
-            f"{p['peak_measured_as']})"
-        )
-    else:
-        memory = "(tensors not measured: --profile.memory measures them off CUDA)"
-    return (
-        f"  planned        {p['step_s']:.3g} s/step against {p['measured_step_s']:.3g} measured "
-        f"({p['step_error']:+.0%}{', uncalibrated' if p.get('guess') else ''}), "
-        f"{p['peak_bytes'] / 2**30:.3g} GiB/rank {memory}"
-    )
-
-
-def format_summary(s: dict) -> str:
-    lines = ["summary", f"  steps          {s['steps']}"]
-    if s["losses"]:
-        lines.append(f"  loss           {s['first_loss']:.4f} -> {s['last_loss']:.4f}")
-    if s.get("val_loss") is not None:
-        lines.append(f"  val loss       {s['val_loss']:.4f} (perplexity {s['val_ppl']:.2f})")
-    if train := s.get("data", {}).get("train"):
-        lines.append(
-            f"  truncated      {train['truncated']} samples "
-            f"({train['dropped']} dropped: no loss token within seq_len)"
-        )
-    lines.append(f"  tokens/s       {s['tokens_per_s']:,.0f}")
-    if "step_error" in s.get("plan", {}):
-        lines.append(_plan_line(s["plan"]))
-    peaks = ", ".join(f"{b / 2**20:.0f}" for b in s["peak_memory_bytes_per_rank"])
-    lines += [
-        f"  time           {s['time_s']:.1f} s",
-        f"  peak MiB/rank  {peaks}",
-        f"  run dir        {s['run_dir']}",
-    ]
-    return "\n".join(lines)
+def _steps(cfg, trainer, data, ckpt, memory, preemption, progress) -> NonFiniteError | None:
+    """Train until train.steps, checkpoint.stop_after or a signal (saved first). A non-finite
+    step (every rank raises it together) is returned, to be raised after the summary."""
+    while trainer.step < cfg.train.steps:
+        try:
+            with memory.step(trainer.step + 1):
+                result = trainer.train_step(data.loader.next_batch())
+        except NonFiniteError as e:
+            return e
+        progress.step(result, memory.scalars())
+        last = trainer.step in (cfg.train.steps, cfg.checkpoint.stop_after)
+        every = cfg.train.eval_every
+        if data.val is not None and ((every and result.step % every == 0) or last):
+            progress.validation(result.step, *trainer.evaluate(data.val, preemption.progress))
+        progress.show(result)
+        preemption.progress()  # a save may follow: timeout_s for it, not since the signal
+        ckpt.maybe_save(trainer.step)
+        if trainer.step == cfg.checkpoint.stop_after:
+            break
+        if preemption.requested():
+            ckpt.ensure_saved(trainer.step)
+            print0(
+                f"{preemption.signal_name or 'a signal on another rank'}: saved a checkpoint "
+                f"at step {trainer.step} and stopped; relaunch with --checkpoint.resume auto"
+            )
+            break
+    return None
 
 
 __all__ = ["Trainer", "build_model", "run", "ConfigError"]

@@ -29,6 +29,8 @@ NEVER_TRAINER = (
     "launcher",
     "layout",
     "resolve",
+    "metrics",
+    "planner",
 )
 
 

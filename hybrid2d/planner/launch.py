@@ -1,5 +1,6 @@
 """The planner at the start of a run: the profile of the machine it launched on, the prediction
-for the launched configuration, and `parallel.plan=auto` (take the best plan for this world)."""
+for the launched configuration (its line, and the check that its peak fits a rank), and
+`parallel.plan=auto` (take the best plan for this world)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import torch
 from hybrid2d.config import ConfigError, JobConfig, ModelConfig
 from hybrid2d.launcher import LAUNCHER_MESH_ENV, launched_mesh_env
 from hybrid2d.layout import RunLayout
+from hybrid2d.mesh import Mesh
 from hybrid2d.planner import hardware as profiles
-from hybrid2d.planner.hardware import Hardware
+from hybrid2d.planner.hardware import Hardware, host_memory_bytes
 from hybrid2d.planner.model import PLANNED, Candidate, predict
 from hybrid2d.planner.search import best_plan
 
@@ -33,6 +35,13 @@ def profile_for(setting: str, device_type: str) -> Hardware:
     return hw
 
 
+def planner_profile(cfg: JobConfig, device_type: str) -> Hardware:
+    try:
+        return profile_for(cfg.parallel.plan_hardware, device_type)
+    except ConfigError as e:
+        raise ConfigError(f"parallel.plan_hardware={cfg.parallel.plan_hardware!r}: {e}") from None
+
+
 def guess_note(hw: Hardware) -> str:
     """Why the profile's figures are only a guess for this machine, with the way to measure
     them; "" for a preset or a calibrated profile."""
@@ -47,6 +56,55 @@ def guess_note(hw: Hardware) -> str:
 def prediction(cfg: JobConfig, layout: RunLayout, hw: Hardware, per_node: int) -> Candidate:
     """The planner's figures for exactly this layout."""
     return predict(cfg, layout, hw, gpus_per_node=max(per_node, layout.tp))
+
+
+def planned(cfg: JobConfig, mesh: Mesh, hw: Hardware, per_node: int) -> dict:
+    """The planner's prediction for the launched configuration (step time, peak per rank)."""
+    try:
+        c = prediction(cfg, mesh.layout, hw, per_node)
+    except ConfigError as e:  # the planner cannot price it: say so, train anyway
+        return {"hardware": hw.name, "error": str(e)}
+    return {
+        "hardware": hw.name,
+        "step_s": c.step_s,
+        "peak_bytes": round(c.peak_gib * 2**30),
+        "guess": guess_note(hw),
+    }
+
+
+def describe_plan(plan: dict) -> str:
+    """The start-of-run line of `planned`'s prediction (the summary puts the measured beside it)."""
+    if "error" in plan:
+        return f"plan ({plan['hardware']}): no prediction: {plan['error']}"
+    guess = f"; {plan['guess']}" if plan["guess"] else ""
+    return (
+        f"plan ({plan['hardware']} profile): predicted {plan['step_s']:.3g} s/step, "
+        f"{plan['peak_bytes'] / 2**30:.3g} GiB peak per rank{guess}"
+    )
+
+
+def memory_per_rank(device: torch.device, ranks_on_host: int) -> tuple[int, str]:
+    """(bytes, what) a rank may use: its CUDA device's memory, or the host's RAM shared by
+    the ranks on it."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory, "the CUDA device's"
+    share = host_memory_bytes() // max(ranks_on_host, 1)
+    return share, f"this host's RAM over its {ranks_on_host} rank(s)"
+
+
+def check_planned_memory(plan: dict, mesh: Mesh, ranks_on_host: int) -> None:
+    """ConfigError when the plan's peak per rank is more than a rank has: the run would end in
+    an out-of-memory error (or the OOM killer) after data and model were built."""
+    if "peak_bytes" not in plan:
+        return
+    have, what = memory_per_rank(mesh.device, ranks_on_host)
+    if plan["peak_bytes"] > have:
+        raise ConfigError(
+            f"the plan puts this run's peak at {plan['peak_bytes'] / 2**30:.3g} GiB per rank, "
+            f"more than {what} {have / 2**30:.3g} GiB; use more ranks (dp_shard or tp), "
+            "--parallel.activation_checkpoint full or a smaller --train.micro_batch "
+            "(tools/plan.py ranks what fits), or --parallel.check_memory false to try anyway"
+        )
 
 
 def auto_plan(

@@ -1,0 +1,21 @@
+"""What a run reports. `writer.py`: the figures (memory peaks, FLOPs per token) and TensorBoard;
+`progress.py`: each step as rank 0 shows and logs it; `summary.py`: the run's summary.json and
+its closing lines. The figures are re-exported here: the profiler and the planner read them."""
+
+from hybrid2d.metrics.writer import (
+    MetricsWriter,
+    device_peaks,
+    flops_per_token,
+    peak_memory_bytes,
+    peak_rss_bytes,
+    rss_bytes,
+)
+
+__all__ = [
+    "MetricsWriter",
+    "device_peaks",
+    "flops_per_token",
+    "peak_memory_bytes",
+    "peak_rss_bytes",
+    "rss_bytes",
+]

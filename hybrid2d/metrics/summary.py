@@ -1,0 +1,135 @@
+"""The run's summary: every rank's peak memory, this launch's losses and throughput, the plan's
+prediction beside what was measured; written to summary.json and printed by rank 0."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch.distributed as dist
+
+from hybrid2d.data.build import RunData
+from hybrid2d.mesh import Mesh
+from hybrid2d.metrics.progress import RunProgress
+from hybrid2d.metrics.writer import peak_memory_bytes
+
+
+def gather_peaks(mesh: Mesh, tensor_peak: int | None) -> tuple[list[int], list[int | None]]:
+    """Each rank's peak (the CUDA allocator's, else process RSS) and the peak of its tensors where
+    one was measured (CUDA: the same; elsewhere --profile.memory's tracker), which the plan's
+    tensor estimate can be compared with; RSS also counts the interpreter and libraries."""
+    own = peak_memory_bytes(mesh.device)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (own, own if mesh.device.type == "cuda" else tensor_peak))
+    return [peak for peak, _ in gathered], [tensors for _, tensors in gathered]
+
+
+def against_plan(plan: dict, steady: list[float], tensor_peaks: list, on_cuda: bool) -> dict:
+    """The plan with the measured step time and tensor peak beside its prediction."""
+    if "error" in plan or not steady:
+        return plan
+    measured_step = sum(steady) / len(steady)
+    plan = {
+        **plan,
+        "measured_step_s": measured_step,
+        "step_error": plan["step_s"] / measured_step - 1,
+    }
+    if all(tensor_peaks):
+        plan.update(
+            measured_peak_bytes=max(tensor_peaks),
+            peak_error=plan["peak_bytes"] / max(tensor_peaks) - 1,
+            peak_measured_as="tensors, " + ("CUDA allocator" if on_cuda else "profile.memory"),
+        )
+    return plan
+
+
+def run_summary(
+    progress: RunProgress,
+    mesh: Mesh,
+    plan: dict,
+    *,
+    recipe: str,
+    steps: int,
+    first_step: int,
+    time_s: float,
+    run_dir: str,
+    resumed_from: Path | None,
+    checkpoints: list,
+    preempted: bool,
+    data: RunData,
+    tensor_peak: int | None,
+    stopped: BaseException | None,
+) -> dict:
+    """summary.json's dict, built on every rank (each rank's peak is gathered from all)."""
+    peaks, tensor_peaks = gather_peaks(mesh, tensor_peak)
+    losses, times, evals = progress.losses, progress.times, progress.evals
+    # Skip the first steps (allocation, warm-up) when there are enough to measure steady state.
+    steady = times[3:] if len(times) > 6 else times
+    return {
+        "recipe": recipe,
+        "mesh": {"dp_replicate": mesh.dp_replicate, "dp_shard": mesh.dp_shard, "tp": mesh.tp},
+        "steps": steps,
+        "first_step": first_step,  # losses[i] is step first_step + i: this launch's steps
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+        "losses": losses,
+        "tokens_per_s": progress.tokens_per_step * len(steady) / sum(steady) if steady else 0.0,
+        "time_s": time_s,
+        "peak_memory_bytes_per_rank": peaks,
+        "run_dir": run_dir,
+        "resumed_from": None if resumed_from is None else str(resumed_from),
+        "checkpoints": checkpoints,
+        "preempted": preempted,  # a signal on any rank stopped the run
+        "data": {"kind": data.kind, **{k: v for k, v in data.stats.items() if k != "train_stats"}},
+        "val": evals,
+        "val_loss": evals[-1]["loss"] if evals else None,
+        "val_ppl": evals[-1]["ppl"] if evals else None,
+        "plan": against_plan(plan, steady, tensor_peaks, mesh.device.type == "cuda"),
+        "stopped": None if stopped is None else str(stopped),
+    }
+
+
+def write_summary(run_dir: str, summary: dict) -> None:
+    """summary.json in the run dir and the closing lines on stdout (rank 0 calls it)."""
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    print(format_summary(summary), flush=True)
+
+
+def _plan_line(p: dict) -> str:
+    if "peak_error" in p:
+        memory = (
+            f"against {p['measured_peak_bytes'] / 2**30:.3g} measured ({p['peak_error']:+.0%}, "
+            f"{p['peak_measured_as']})"
+        )
+    else:
+        memory = "(tensors not measured: --profile.memory measures them off CUDA)"
+    return (
+        f"  planned        {p['step_s']:.3g} s/step against {p['measured_step_s']:.3g} measured "
+        f"({p['step_error']:+.0%}{', uncalibrated' if p.get('guess') else ''}), "
+        f"{p['peak_bytes'] / 2**30:.3g} GiB/rank {memory}"
+    )
+
+
+def format_summary(s: dict) -> str:
+    lines = ["summary", f"  steps          {s['steps']}"]
+    if s["losses"]:
+        lines.append(f"  loss           {s['first_loss']:.4f} -> {s['last_loss']:.4f}")
+    if s.get("val_loss") is not None:
+        lines.append(f"  val loss       {s['val_loss']:.4f} (perplexity {s['val_ppl']:.2f})")
+    if train := s.get("data", {}).get("train"):
+        lines.append(
+            f"  truncated      {train['truncated']} samples "
+            f"({train['dropped']} dropped: no loss token within seq_len)"
+        )
+    lines.append(f"  tokens/s       {s['tokens_per_s']:,.0f}")
+    if "step_error" in s.get("plan", {}):
+        lines.append(_plan_line(s["plan"]))
+    peaks = ", ".join(f"{b / 2**20:.0f}" for b in s["peak_memory_bytes_per_rank"])
+    lines += [
+        f"  time           {s['time_s']:.1f} s",
+        f"  peak MiB/rank  {peaks}",
+        f"  run dir        {s['run_dir']}",
+    ]
+    return "\n".join(lines)
