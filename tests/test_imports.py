@@ -102,6 +102,18 @@ def test_only_mesh_names_the_transport():
     assert not naming, "\n".join(naming)
 
 
+def test_predictions_read_no_measurement():
+    """The planner owns every prediction (memory, collectives, step time); profiling/ and
+    comm_report.py measure a run and compare with it, so the planner imports neither."""
+    reading = sorted(
+        f"{m} imports {t}"
+        for m, imports in GRAPH.items()
+        for t, _ in imports
+        if room(m) == "planner" and room(t) in ("profiling", "comm_report")
+    )
+    assert not reading, "\n".join(reading)
+
+
 def test_no_hybrid2d_import_inside_a_function():
     hidden = [f"{m} imports {t} inside a function" for m, i in GRAPH.items() for t, f in i if f]
     assert not hidden, "\n".join(hidden)

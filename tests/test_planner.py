@@ -1024,11 +1024,10 @@ def test_one_process_calibration_prices_ops_under_fsdp_and_can_be_crowded():
     beyond the model's pricing, never negative."""
     from hybrid2d.planner.calibrate import calibrate
 
-    plan_tool = load_tool("plan")
     model = ModelConfig(dim=64, n_layers=1, n_heads=8, n_kv_heads=4, ffn_dim=128, vocab_size=256)
     job = JobConfig(recipe="tiny", model=model)
     job.train.seq_len = 32
-    hw, raw = calibrate(job, "cpu", procs=1, crowd=4, **_trainer_hooks(plan_tool))
+    hw, raw = calibrate(job, "cpu", procs=1, crowd=4)
     assert raw["procs"] == 1 and raw["dispatch_under_fsdp"] is True
     assert 0 < hw.op_overhead_s < 1e-2
     crowded = raw["crowded"]
@@ -1038,11 +1037,6 @@ def test_one_process_calibration_prices_ops_under_fsdp_and_can_be_crowded():
     found = hw.crowded_tp_block_overhead_s
     assert set(found) == {"2", "4"} and all(v >= 0 for v in found.values())
     assert hw.crowded_ranks == 4
-
-
-def _trainer_hooks(plan_tool) -> dict:
-    init, shutdown = plan_tool.TRAINER_PROCESS_GROUP
-    return {"init": init, "shutdown": shutdown}
 
 
 def test_validation_model_is_the_benchmarks_default():

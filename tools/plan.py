@@ -53,8 +53,6 @@ DOC = os.path.join(REPO, "docs", "planner.md")
 # The validation model: tools/bench.py's default shape (llama-debug's), seq 256, global batch 8.
 VALIDATION_MODEL = dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688, vocab_size=4096)
 VALIDATION_SEQ, VALIDATION_BATCH = 256, 8
-# Calibration ranks start and end their process group as the trainer does (hybrid2d.mesh).
-TRAINER_PROCESS_GROUP = ("hybrid2d.mesh:init_distributed", "hybrid2d.mesh:shutdown_distributed")
 
 
 def parser() -> OneLineParser:
@@ -323,9 +321,7 @@ def run_calibrate(args, cfg: JobConfig, base) -> int:
     from hybrid2d.planner.calibrate import calibrate
 
     started = time.time()
-    hw, raw = calibrate(
-        cfg, args.device, base, args.procs, *TRAINER_PROCESS_GROUP, crowd=args.crowd
-    )
+    hw, raw = calibrate(cfg, args.device, base, args.procs, crowd=args.crowd)
     hw.save(args.out)
     if args.json:
         with open(args.json, "w") as f:
@@ -506,7 +502,7 @@ def measure_validation(args, hw) -> str:
         print("calibrating this machine for the validation model ...", flush=True)
         crowd = max(args.ranks)  # the largest world measured, when it outnumbers the cores
         crowd = crowd if crowd > (os.cpu_count() or 1) else None
-        hw, raw = calibrate(base, "cpu", None, None, *TRAINER_PROCESS_GROUP, crowd=crowd)
+        hw, raw = calibrate(base, "cpu", None, None, crowd=crowd)
         print(describe_profile(hw, raw), flush=True)
         if args.out:
             hw.save(args.out)

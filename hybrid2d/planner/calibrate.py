@@ -33,7 +33,6 @@ process on one GPU measures the compute figures; links not measured come from th
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import math
 import os
@@ -42,15 +41,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import fully_shard
 
 from hybrid2d.config import ConfigError, JobConfig, ModelConfig
+from hybrid2d.mesh import init_distributed, shutdown_distributed
 from hybrid2d.models.llama import DecoderLayer, Llama
 from hybrid2d.parallel.sequence_comm import all_gather_dim0
 from hybrid2d.planner import hardware as hwlib
@@ -498,9 +498,13 @@ def fit_latency_bandwidth(xs: list[float], ys: list[float]) -> list[float]:
 # ---- the whole calibration --------------------------------------------------------------------
 
 
-def _worker_main() -> None:
-    """One calibration process (started by `calibrate` with its arguments in the environment)."""
-    args = json.loads(os.environ["HYBRID2D_CALIBRATE"])
+@record  # torchrun's failure summary then ends with the failing rank's traceback
+def _worker_main(args_path: str) -> None:
+    """One calibration process, started by torchrun (`_launch`) with its arguments in a file;
+    its process group is the trainer's (`mesh.init_distributed`: on CPU the shared-memory
+    backend where it is available)."""
+    with open(args_path) as f:
+        args = json.load(f)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cfg = JobConfig.from_dict(args["job"])
     cores = os.cpu_count() or 1
@@ -511,37 +515,17 @@ def _worker_main() -> None:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    init, shutdown = _hooks(args.get("init"), args.get("shutdown"))
-    init(args["device"], 300)
+    init_distributed(args["device"], 300)
     try:
         if args.get("crowded"):
             result = _measure_crowded(cfg, device, world, threads)
         else:
             result = _measure(cfg, device, world, threads)
     finally:
-        shutdown()
+        shutdown_distributed()
     if rank == 0:
         with open(args["out"], "w") as f:
             json.dump(result, f)
-
-
-def _hooks(init: str | None, shutdown: str | None):
-    """The process-group start and end the trainer uses, named "module:function" by the caller
-    (tools/plan.py passes hybrid2d.mesh's), else torch.distributed's defaults."""
-
-    def resolve(spec):
-        module, name = spec.split(":")
-        return getattr(importlib.import_module(module), name)
-
-    def default_init(device_type: str, timeout_s: int) -> None:
-        dist.init_process_group(
-            "nccl" if device_type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s)
-        )
-
-    return (
-        resolve(init) if init else default_init,
-        resolve(shutdown) if shutdown else dist.destroy_process_group,
-    )
 
 
 def _measure(cfg: JobConfig, device: torch.device, world: int, threads: int) -> dict:
@@ -674,14 +658,11 @@ def calibrate(
     device: str = "cpu",
     base: Hardware | None = None,
     procs: int | None = None,
-    init: str | None = None,
-    shutdown: str | None = None,
     crowd: int | None = None,
 ) -> tuple[Hardware, dict]:
-    """A profile of this machine for `cfg`'s shapes, and the raw measurements. `init` and
-    `shutdown` ("module:function") start and end the process group of the measuring ranks the
-    way the trainer does (default: torch.distributed's). CPU: with `crowd` (more processes than
-    cores), a second launch of that many processes measures tp-sharded blocks as crowded."""
+    """A profile of this machine for `cfg`'s shapes, and the raw measurements, taken by `procs`
+    ranks in the trainer's process group. CPU: with `crowd` (more processes than cores), a
+    second launch of that many processes measures tp-sharded blocks as crowded."""
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda, but no CUDA device is visible; use --device cpu")
     if device not in ("cpu", "cuda"):
@@ -700,53 +681,40 @@ def calibrate(
         # Also one process measures as a rank of a process group, as the trainer runs one GPU:
         # the dispatch probe then wraps its block by FSDP2 like the trainer's blocks (on one
         # H200, a bare block's 9.4 us per op could not explain a step's ~30 us).
-        args = {"job": job, "device": device, "out": out, "init": init, "shutdown": shutdown}
-        _spawn(max(1, procs), args)
+        args = {"job": job, "device": device, "out": out}
+        _launch(max(1, procs), args, tmp)
         with open(out) as f:
             raw = json.load(f)
         if crowd and crowded_tps(cfg.model, cfg.train.seq_len, crowd):
-            _spawn(crowd, dict(args, crowded=True))
+            _launch(crowd, dict(args, crowded=True), tmp)
             with open(out) as f:
                 raw["crowded"] = json.load(f)
     return profile_from(raw, cfg, device, base), raw
 
 
-def _spawn(procs: int, args: dict, timeout: float = 600) -> None:
-    """Start `procs` calibration processes as ranks of one host and wait for them."""
+def _launch(procs: int, args: dict, tmp: str, timeout: float = 600) -> None:
+    """Run `procs` calibration processes as the ranks of one host under torchrun (its standalone
+    rendezvous binds a free port itself) and wait for them."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    # This process serves the ranks' store on a port the OS assigns while binding it (as
-    # torchrun's agent does), so no other job can take the port between choosing and binding.
-    store = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
-    )
-    env = dict(os.environ, HYBRID2D_CALIBRATE=json.dumps(args), OMP_NUM_THREADS="1")
-    env.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
-    env.update(WORLD_SIZE=str(procs), LOCAL_WORLD_SIZE=str(procs))
+    args_path = os.path.join(tmp, "args.json")
+    with open(args_path, "w") as f:
+        json.dump(args, f)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    code = "from hybrid2d.planner.calibrate import _worker_main; _worker_main()"
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-c", code],
-            env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(procs)
-    ]
-    errors = []
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    worker = ["-m", "hybrid2d.planner.calibrate", args_path]  # _worker_main, below
+    command = [*torchrun, f"--nproc-per-node={procs}", *worker]
+    proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
     try:
-        for rank, proc in enumerate(ranks):
-            _, err = proc.communicate(timeout=timeout)
-            if proc.returncode:
-                errors.append(f"rank {rank} exited {proc.returncode}: {err.strip()[-2000:]}")
+        _, err = proc.communicate(timeout=timeout)
     finally:
-        for proc in ranks:
-            if proc.poll() is None:
-                proc.kill()
-        del store
-    if errors:
-        raise RuntimeError("calibration failed: " + "; ".join(errors))
+        if proc.poll() is None:
+            proc.terminate()  # torchrun stops its ranks on SIGTERM
+            proc.wait()
+    if proc.returncode:
+        raise RuntimeError(
+            f"calibration failed: torchrun exited {proc.returncode}: {err.strip()[-2000:]}"
+        )
 
 
 def profile_from(raw: dict, cfg: JobConfig, device: str, base: Hardware | None) -> Hardware:
@@ -843,3 +811,7 @@ def profile_from(raw: dict, cfg: JobConfig, device: str, base: Hardware | None) 
         )
     hw.check("calibrated profile")
     return hw
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1])

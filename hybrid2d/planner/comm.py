@@ -10,6 +10,9 @@ that per rank.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 from hybrid2d.config import ModelConfig
 from hybrid2d.planner.memory import fsdp_shard, model_params, tp_local_shape
 
@@ -20,11 +23,19 @@ def unit_bytes(m: ModelConfig, dp_shard: int, tp: int, elt: int) -> tuple[int, i
     estimate counts the same shards). (0, 0) when FSDP does not shard (dp_shard 1)."""
     if dp_shard <= 1:
         return 0, 0
+    block, root = _unit_numel(tuple(sorted(dataclasses.asdict(m).items())), dp_shard, tp)
+    return block * elt, root * elt
+
+
+@functools.lru_cache(maxsize=256)
+def _unit_numel(key: tuple, dp_shard: int, tp: int) -> tuple[int, int]:
+    """(block 0's, the root's) gathered elements of the model `key` names (cached: the search
+    prices every candidate with them)."""
     gathered = {0: 0, -1: 0}
-    for p in model_params(m):
+    for p in model_params(ModelConfig(**dict(key))):
         if p.unit in gathered:
             padded, _ = fsdp_shard(tp_local_shape(p, tp), dp_shard, 0)
-            gathered[p.unit] += padded * dp_shard * elt
+            gathered[p.unit] += padded * dp_shard
     return gathered[0], gathered[-1]
 
 

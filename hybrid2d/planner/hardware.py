@@ -13,7 +13,7 @@ Bandwidths are bytes/s per device in one direction (NVLink "900 GB/s" is both di
 H100, so 450e9 here; a 400 Gb/s NIC per GPU is 50e9). A collective over n ranks costs
 `latency + factor * payload / bandwidth`, factor (n-1)/n for all-gather and reduce-scatter and
 2(n-1)/n for all-reduce (ring), where the payload is the full (unsharded) buffer as in
-`comm_report`.
+`comm.py`.
 """
 
 from __future__ import annotations
