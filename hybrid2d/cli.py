@@ -18,7 +18,7 @@ import re
 import sys
 from collections.abc import Callable
 
-from hybrid2d.config import ConfigError
+from hybrid2d.errors import ConfigError
 from hybrid2d.sizes import parse_size
 
 

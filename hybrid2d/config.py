@@ -23,10 +23,7 @@ from typing import Annotated, Literal
 import tyro
 from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec
 
-
-class ConfigError(ValueError):
-    """A setting is wrong; the message is one line naming it and what would work."""
-
+from hybrid2d.errors import ConfigError
 
 # Settings that older runs' and checkpoints' config.json files hold but hybrid2d no longer has:
 # `JobConfig.from_dict` drops them without a word; on the command line they are an error that

@@ -8,14 +8,15 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hybrid2d"
 
 # room -> rooms of hybrid2d it may import (besides itself)
 ALLOWED = {
-    "config": set(),
-    "sizes": {"config"},
-    "models": {"config"},
-    "data": {"config"},
-    "launcher": {"config"},
-    "mesh": {"config", "launcher", "shm_backend"},
-    "shm_backend": {"config"},
-    "parallel": {"config", "models", "mesh"},
+    "errors": set(),
+    "config": {"errors"},
+    "sizes": {"errors"},
+    "models": {"config", "errors"},
+    "data": {"config", "errors"},
+    "launcher": {"config", "errors"},
+    "mesh": {"config", "errors", "launcher", "shm_backend"},
+    "shm_backend": {"errors"},
+    "parallel": {"config", "errors", "models", "mesh"},
 }
 NEVER_TRAINER = (
     "parallel",

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from hybrid2d import recipes
-from hybrid2d.config import ConfigError
+from hybrid2d.errors import ConfigError
 from hybrid2d.profiling.estimate import MeshShape, estimate, fsdp_shard
 from hybrid2d.profiling.measure import MemoryTracker, storage_bytes
 from hybrid2d.profiling.report import Entry, Report, html_page, write

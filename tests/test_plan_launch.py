@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from hybrid2d import recipes
-from hybrid2d.config import ConfigError
+from hybrid2d.errors import ConfigError
 from hybrid2d.planner.launch import apply_auto_plan, guess_note, profile_for
 from hybrid2d.planner.search import best_plan
 from tests.launch import REPO, launcher_env

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from hybrid2d.cli import positive_size
-from hybrid2d.config import ConfigError
+from hybrid2d.errors import ConfigError
 from tests.launch import REPO
 
 TOOLS = [
