@@ -8,7 +8,9 @@ import sys
 import pytest
 
 from hybrid2d import recipes
-from hybrid2d.config import ConfigError, JobConfig, apply_overrides
+from hybrid2d.cli import apply_overrides
+from hybrid2d.config import JobConfig
+from hybrid2d.errors import ConfigError
 from tests.launch import REPO
 
 
@@ -174,6 +176,7 @@ import importlib.util  # noqa: E402
 import math  # noqa: E402
 import typing  # noqa: E402
 
+from hybrid2d import cli  # noqa: E402
 from hybrid2d import config as config_mod  # noqa: E402
 from hybrid2d.config import LIMITS, setting_names  # noqa: E402
 
@@ -413,7 +416,7 @@ def test_tyro_error_text_framed_or_plain():
  For full helptext, run recipes/llama.py --help
 """
     want = "invalid choice 'yes' for argument '--parallel.shm_collectives'."
-    assert config_mod._tyro_error(framed) == config_mod._tyro_error(plain) == want
+    assert cli._tyro_error(framed) == cli._tyro_error(plain) == want
 
 
 # ---- config.json: unknown keys, retired keys ------------------------------------------------

@@ -327,7 +327,7 @@ def test_validation_settings_are_checked(settings, says):
 
 
 def test_val_fraction_range_and_forced_instruct_format(tmp_path):
-    from hybrid2d.config import apply_overrides
+    from hybrid2d.cli import apply_overrides
 
     with pytest.raises(ConfigError, match="data.val_fraction=0.7 is out of range"):
         apply_overrides(JobConfig(), ["--data.val_fraction", "0.7"])
