@@ -141,7 +141,8 @@ def apply_overrides(cfg: config.JobConfig, args: list[str]) -> set[str]:
         raise ConfigError(_choice_error(_tyro_error(err.getvalue() + out.getvalue()))) from None
     if unknown:
         raise _unknown(unknown[0])
-    names = {a[2:].partition("=")[0].replace("-", "_") for a in args if a.startswith("--")}
+    flags = [a for a in args if a.startswith("--") and a != "--"]  # "--": end of the flags
+    names = {a[2:].partition("=")[0].replace("-", "_") for a in flags}
     for name in names:
         section, _, key = name.rpartition(".")
         value = getattr(getattr(parsed, section) if section else parsed, key)

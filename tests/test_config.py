@@ -323,6 +323,13 @@ def test_booleans_take_true_false_and_bare_flags():
     assert (cfg.metrics.tensorboard, cfg.checkpoint.async_save) == (False, True)
 
 
+def test_the_end_of_flags_marker_is_no_setting():
+    """'--' was taken for a setting with an empty name: an AttributeError traceback."""
+    cfg = JobConfig()
+    assert apply_overrides(cfg, ["--parallel.compile", "--"]) == {"parallel.compile"}
+    assert cfg.parallel.compile
+
+
 def test_overrides_keep_the_recipe_values_they_do_not_name():
     cfg = recipes.get("llama3.1-8b")
     before = cfg.to_dict()
