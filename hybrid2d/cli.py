@@ -198,7 +198,7 @@ def describe(cfg: config.JobConfig) -> str:
     )
 
 
-# ---- tools' flags: argparse, one error line ---------------------------------------------------
+# ---- an entry point's own flags: argparse, one error line ------------------------------------
 
 
 # A value that argparse would take for an option: '-' then a digit, or '-.' then a digit.
