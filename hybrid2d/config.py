@@ -1,32 +1,23 @@
-"""Every setting of a run as dataclasses, the command line over them, and validation.
+"""Every setting of a run as dataclasses, and their validation.
 
-A recipe gives a complete `JobConfig`; the command line changes single fields with
-`--section.field value`, parsed by tyro over these dataclasses (the comment above or beside a
-field is its `--help` text, the `Range` in its annotation what the number may be). Bad input is
-reported as one `ConfigError` line naming the setting, its value and what would work, before
-any process group or model exists.
+A recipe gives a complete `JobConfig`; the comment above or beside a field is its `--help`
+text, the `Range` in its annotation what the number may be. Bad input is reported as one
+`ConfigError` line naming the setting, its value and what would work, before any process group
+or model exists. The command line over these dataclasses is `cli.py`'s: this module imports no
+parser, so the rooms that only read settings (models, data, shm_backend) do not load one.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import functools
-import io
 import math
-import re
 import typing
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
-import tyro
-from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec
-
-
-class ConfigError(ValueError):
-    """A setting is wrong; the message is one line naming it and what would work."""
-
+from hybrid2d.errors import ConfigError
 
 # Settings that older runs' and checkpoints' config.json files hold but hybrid2d no longer has:
 # `JobConfig.from_dict` drops them without a word; on the command line they are an error that
@@ -333,7 +324,7 @@ class JobConfig:
 
     def check_settings(self) -> None:
         """Every setting on its own: its type, its choices, and its range (finite numbers)."""
-        for name, (owner, f) in _leaf_fields(self).items():
+        for name, (owner, f) in leaf_fields(self).items():
             value = _typed(name, type_hints(type(owner))[f.name], getattr(owner, f.name))
             check_range(name, value)
         m = self.model
@@ -380,10 +371,10 @@ def _typed(name: str, kind, value):
     raise ConfigError(f"{name}={value!r} is not {what}")
 
 
-# ---- command line ----------------------------------------------------------------------------
+# ---- settings by name ------------------------------------------------------------------------
 
 
-def _leaf_fields(cfg: JobConfig) -> dict[str, tuple[object, dataclasses.Field]]:
+def leaf_fields(cfg: JobConfig) -> dict[str, tuple[object, dataclasses.Field]]:
     """'section.field' -> (owning dataclass instance, field) for every overridable setting."""
     out = {}
     for top in dataclasses.fields(cfg):
@@ -396,7 +387,7 @@ def _leaf_fields(cfg: JobConfig) -> dict[str, tuple[object, dataclasses.Field]]:
 
 def setting_names(cfg: JobConfig | None = None) -> list[str]:
     """Every 'section.field' the command line can set."""
-    return list(_leaf_fields(cfg or JobConfig()))
+    return list(leaf_fields(cfg or JobConfig()))
 
 
 @functools.cache
@@ -414,11 +405,11 @@ def _range(owner, name: str) -> Range | None:
 
 # 'section.field' -> the Range in its annotation (a test checks that every number has one).
 LIMITS = {
-    n: r for n, (owner, f) in _leaf_fields(JobConfig()).items() if (r := _range(owner, f.name))
+    n: r for n, (owner, f) in leaf_fields(JobConfig()).items() if (r := _range(owner, f.name))
 }
 
 
-def _closest(key: str, names) -> str | None:
+def closest(key: str, names) -> str | None:
     """The valid (dotted) name closest to `key`: the same field in another section (--lr ->
     train.lr), else the most similar full name, else the most similar field name."""
     names = list(names)
@@ -435,160 +426,5 @@ def _closest(key: str, names) -> str | None:
 
 
 def _suggest(key: str, names) -> str:
-    close = _closest(key, names)
+    close = closest(key, names)
     return f"the closest valid one is {close!r}" if close else "none is valid here"
-
-
-_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
-_REGISTRY = ConstructorRegistry()
-
-
-@_REGISTRY.primitive_rule
-def _bool_rule(info) -> PrimitiveConstructorSpec | None:
-    """Booleans take true/false in any case (and yes/no, on/off, 1/0); a bare flag is true.
-    (tyro's own rule takes only True and False, and makes a bare flag an error.)"""
-    if info.type is not bool:
-        return None
-
-    def parse(args: list[str]) -> bool:
-        text = args[0].lower() if args else "true"
-        if text not in _TRUE + _FALSE:
-            raise ValueError(f"{args[0]!r} is not true or false")
-        return text in _TRUE
-
-    return PrimitiveConstructorSpec(
-        nargs=(0, 1),
-        metavar="{true,false}",
-        instance_from_str=parse,
-        is_instance=lambda x: isinstance(x, bool),
-        str_from_instance=lambda x: [str(x)],
-    )
-
-
-def _number_rule(kind: type, word: str):
-    """Numbers whose refusal reads as one: `'abc' is not a whole number` rather than Python's
-    `invalid literal for int() with base 10`. Whole numbers may be written 1e3."""
-
-    def rule(info) -> PrimitiveConstructorSpec | None:
-        if info.type is not kind:
-            return None
-
-        def parse(args: list[str]):
-            try:
-                value = float(args[0])
-            except ValueError:
-                raise ValueError(f"{args[0]!r} is not {word}") from None
-            if kind is int:
-                if not value.is_integer():
-                    raise ValueError(f"{args[0]!r} is not {word}")
-                return int(args[0]) if args[0].lstrip("+-").isdigit() else int(value)
-            return value
-
-        return PrimitiveConstructorSpec(
-            nargs=1,
-            metavar=kind.__name__.upper(),
-            instance_from_str=parse,
-            is_instance=lambda x: isinstance(x, kind) and not isinstance(x, bool),
-            str_from_instance=lambda x: [str(x)],
-        )
-
-    return rule
-
-
-_REGISTRY.primitive_rule(_number_rule(int, "a whole number"))
-_REGISTRY.primitive_rule(_number_rule(float, "a number"))
-
-
-def _cli(cfg: JobConfig, args: list[str], **kwargs):
-    """tyro over JobConfig with cfg's values as the defaults."""
-    return tyro.cli(
-        JobConfig,
-        args=args,
-        default=cfg,
-        use_underscores=True,
-        config=(tyro.conf.FlagConversionOff,),
-        registry=_REGISTRY,
-        **kwargs,
-    )
-
-
-def _tyro_error(text: str) -> str:
-    """The message of tyro's error output as one line: the text between its title line and the
-    next rule or blank line (framed on a terminal, plain otherwise; the help after it is left
-    out)."""
-    body: list[str] = []
-    for line in text.strip().splitlines()[1:]:
-        line = line.strip(" │╭╮╰╯")
-        if set(line) <= {"─", "-"}:  # a rule or a blank line: the message ends after one
-            if body:
-                break
-            continue
-        body.append(line)
-    message = " ".join(" ".join(body).split()) or "the command line could not be parsed"
-    return message.removeprefix("Error parsing ")
-
-
-def apply_overrides(cfg: JobConfig, args: list[str]) -> set[str]:
-    """Apply `--section.field value` pairs (or `--section.field=value`) to cfg in place.
-
-    tyro parses them; a value it refuses, an unknown name (with the closest valid one) and a
-    number out of its range are one ConfigError line each. Returns the dotted names set.
-    """
-    out, err = io.StringIO(), io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            parsed, unknown = _cli(cfg, list(args), add_help=False, return_unknown_args=True)
-    except SystemExit:
-        raise ConfigError(_choice_error(_tyro_error(err.getvalue() + out.getvalue()))) from None
-    if unknown:
-        raise _unknown(unknown[0])
-    names = {a[2:].partition("=")[0].replace("-", "_") for a in args if a.startswith("--")}
-    for name in names:
-        section, _, key = name.rpartition(".")
-        value = getattr(getattr(parsed, section) if section else parsed, key)
-        check_range(name, value)
-        setattr(getattr(cfg, section) if section else cfg, key, value)
-    return names
-
-
-def _choice_error(message: str) -> str:
-    """tyro's refusal of a Literal choice, in the form of the other errors and with the closest
-    valid choice: "--parallel.activation_checkpoint: 'fulll' is not one of none, full,
-    selective; did you mean full?"."""
-    match = re.fullmatch(
-        r"invalid choice '(.*)' for argument '(--[\w.]+)'\. Expected one of \((.*)\)\.?", message
-    )
-    if not match:
-        return message
-    value, flag, listed = match.groups()
-    choices = [c.strip().strip("'\"") for c in listed.split(",") if c.strip()]
-    close = difflib.get_close_matches(value, choices, n=1, cutoff=0.5)
-    hint = f"; did you mean {close[0]}?" if close else ""
-    return f"{flag}: {value!r} is not one of {', '.join(choices)}{hint}"
-
-
-def _unknown(arg: str) -> ConfigError:
-    """The error for the first argument tyro did not know."""
-    if not arg.startswith("--") or arg == "--":
-        return ConfigError(f"unexpected argument {arg!r}; settings look like --train.steps 50")
-    key = arg[2:].partition("=")[0].replace("-", "_")
-    if key in RETIRED_KEYS:
-        return ConfigError(
-            f"--{key} was removed (hybrid2d now always does what it enabled); drop it"
-        )
-    close = _closest(key, setting_names())
-    return ConfigError(
-        f"unknown setting --{key}; "
-        + (f"did you mean --{close}?" if close else "--help lists the settings")
-    )
-
-
-def print_help(cfg: JobConfig, prog: str | None = None, description: str | None = None) -> None:
-    """tyro's --help for every setting, with its help text and cfg's value as the default."""
-    with contextlib.suppress(SystemExit):
-        _cli(cfg, ["--help"], prog=prog, description=description)
-
-
-def describe(cfg: JobConfig) -> str:
-    """Every setting with its current value, one per line (for --help-config)."""
-    return "\n".join(f"--{n} {getattr(o, f.name)!r}" for n, (o, f) in _leaf_fields(cfg).items())

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import os
 
-from hybrid2d.config import ConfigError, JobConfig
+from hybrid2d.config import JobConfig
+from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
 
 # accelerate's --parallelism_config_* flags reach the processes as these variables.

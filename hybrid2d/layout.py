@@ -17,7 +17,8 @@ import math
 import re
 from dataclasses import dataclass
 
-from hybrid2d.config import ConfigError, JobConfig, ModelConfig
+from hybrid2d.config import JobConfig, ModelConfig
+from hybrid2d.errors import ConfigError
 
 # The mesh's dimensions, outermost first (tp innermost: contiguous ranks, inside a node).
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")

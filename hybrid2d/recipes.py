@@ -12,7 +12,8 @@ import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hybrid2d.config import ConfigError, JobConfig, ModelConfig
+from hybrid2d.config import JobConfig, ModelConfig
+from hybrid2d.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 from hybrid2d.checkpoint.layout import find_run_to_resume, write_text_atomic
-from hybrid2d.config import ConfigError, JobConfig
+from hybrid2d.config import JobConfig
+from hybrid2d.errors import ConfigError
 
 LOCK_NAME = ".lock"
 _held: list[tuple[str, int]] = []  # (lock path, descriptor holding its flock)

@@ -51,7 +51,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from hybrid2d.config import ConfigError
+from hybrid2d.errors import ConfigError
 
 BACKEND = "hybrid2d_shm"
 SLOT_CAP_BYTES = 256 << 20  # per rank and generation; larger inputs go to gloo

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from decimal import Decimal
 
-from hybrid2d.config import ConfigError
+from hybrid2d.errors import ConfigError
 
 UNITS = {
     "": 1,

@@ -14,10 +14,11 @@ from hybrid2d.checkpoint.dcp import Checkpointer, find_resume
 from hybrid2d.checkpoint.hf import describe_load, load_pretrained
 from hybrid2d.checkpoint.reader import MODEL, OPTIMIZER, TRAINER
 from hybrid2d.checkpoint.state import ModelState, OptimizerState, rng_state, set_rng_state
-from hybrid2d.config import ConfigError, JobConfig
+from hybrid2d.config import JobConfig
 from hybrid2d.data import EvalSet, build_run_data
 from hybrid2d.data.chat import tokenizer_side_files
 from hybrid2d.data.tokenizer import describe_tokenizer
+from hybrid2d.errors import ConfigError
 from hybrid2d.launcher import world_from_env
 from hybrid2d.mesh import (
     CollectiveError,

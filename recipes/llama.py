@@ -8,17 +8,14 @@ python recipes/llama.py --recipe llama3.1-8b --help
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from hybrid2d import recipes  # noqa: E402
-from hybrid2d.cli import run_and_exit  # noqa: E402
-from hybrid2d.config import ConfigError, apply_overrides, describe, print_help  # noqa: E402
-from hybrid2d.launcher import check_before_torch  # noqa: E402
+from hybrid2d import recipes
+from hybrid2d.cli import OneLineParser, apply_overrides, describe, print_help, run_and_exit
+from hybrid2d.errors import ConfigError
+from hybrid2d.launcher import check_before_torch
 
 DESCRIPTION = (
     "hybrid2d trainer: a recipe's settings, changed with --section.field value. "
@@ -27,14 +24,14 @@ DESCRIPTION = (
 )
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, not argparse's usage and exit
-        raise ConfigError(f"{message}; e.g. --recipe llama-debug (names: --list)")
-
-
 def parse(argv: list[str]):
     """(--recipe / --list / --help-config / --help, the settings left for apply_overrides)."""
-    parser = _Parser(add_help=False, allow_abbrev=False)
+    parser = OneLineParser(
+        add_help=False,
+        allow_abbrev=False,
+        hint="e.g. --recipe llama-debug (names: --list)",
+        raise_config_error=True,  # main prints it, on rank 0 only
+    )
     parser.add_argument("--recipe", default="llama-debug")
     parser.add_argument("--list", action="store_true")
     parser.add_argument("--help-config", action="store_true")

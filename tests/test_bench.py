@@ -1,26 +1,18 @@
 """The benchmark's correctness parts: every kind starts from the same weights (bit for bit) and
 batches."""
 
-import importlib.util
 import json
 import subprocess
 import sys
 from types import SimpleNamespace
 
+import bench  # tools/bench.py (pyproject: the tests' pythonpath holds tools/)
 import pytest
 import torch
 
 from hybrid2d.config import ModelConfig
 from hybrid2d.metrics import flops_per_token
 from tests.launch import REPO
-
-
-def load_bench():
-    sys.path.insert(0, str(REPO / "tools"))  # bench.py imports its worker from its own folder
-    spec = importlib.util.spec_from_file_location("bench", REPO / "tools" / "bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
 
 
 @pytest.mark.slow
@@ -97,7 +89,6 @@ def synthetic_runs(step_s: dict[str, float]) -> dict:
 
 
 def test_efficiency_counts_gpus_on_cuda_and_the_shared_host_on_cpu():
-    bench = load_bench()
     model = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=512)
     runs = synthetic_runs({"hybrid2d": 0.3, "transformers": 0.6, "single": 1.0})
     args = SimpleNamespace(global_batch=8, seq_len=16, warmup=0, world=4, peak_flops=1e12)
@@ -164,7 +155,7 @@ def test_cuda_without_a_gpu_is_refused():
 def test_distributed_kinds_let_torchrun_bind_its_ports():
     """No port is picked before the launch (a port found free can be taken before torchrun
     binds it): --standalone makes torchrun's agent bind port 0 itself."""
-    cmd = load_bench().torchrun_command(4, ["worker.py", "--out", "x.json"])
+    cmd = bench.torchrun_command(4, ["worker.py", "--out", "x.json"])
     assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
     assert cmd[5:] == ["4", "worker.py", "--out", "x.json"]
     assert not any("port" in a or "rdzv" in a for a in cmd)

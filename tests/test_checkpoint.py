@@ -21,7 +21,8 @@ from hybrid2d.checkpoint.reader import (
     iter_model_tensors,
     read_metadata,
 )
-from hybrid2d.config import CheckpointConfig, ConfigError, JobConfig
+from hybrid2d.config import CheckpointConfig, JobConfig
+from hybrid2d.errors import ConfigError
 from hybrid2d.models.llama import Llama
 from tests.launch import REPO
 from tests.reference import tiny_config

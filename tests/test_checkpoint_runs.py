@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hybrid2d.checkpoint import layout
-from hybrid2d.config import ConfigError
+from hybrid2d.errors import ConfigError
 from tests.launch import REPO, check_ok, run_ranks
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,9 @@ import sys
 import pytest
 
 from hybrid2d import recipes
-from hybrid2d.config import ConfigError, JobConfig, apply_overrides
+from hybrid2d.cli import apply_overrides
+from hybrid2d.config import JobConfig
+from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
 from tests.launch import REPO
 
@@ -146,6 +148,7 @@ import importlib.util  # noqa: E402
 import math  # noqa: E402
 import typing  # noqa: E402
 
+from hybrid2d import cli  # noqa: E402
 from hybrid2d import config as config_mod  # noqa: E402
 from hybrid2d.config import LIMITS, setting_names  # noqa: E402
 
@@ -292,6 +295,13 @@ def test_booleans_take_true_false_and_bare_flags():
     assert (cfg.metrics.tensorboard, cfg.checkpoint.async_save) == (False, True)
 
 
+def test_the_end_of_flags_marker_is_no_setting():
+    """'--' was taken for a setting with an empty name: an AttributeError traceback."""
+    cfg = JobConfig()
+    assert apply_overrides(cfg, ["--parallel.compile", "--"]) == {"parallel.compile"}
+    assert cfg.parallel.compile
+
+
 def test_overrides_keep_the_recipe_values_they_do_not_name():
     cfg = recipes.get("llama3.1-8b")
     before = cfg.to_dict()
@@ -385,7 +395,7 @@ def test_tyro_error_text_framed_or_plain():
  For full helptext, run recipes/llama.py --help
 """
     want = "invalid choice 'yes' for argument '--parallel.shm_collectives'."
-    assert config_mod._tyro_error(framed) == config_mod._tyro_error(plain) == want
+    assert cli._tyro_error(framed) == cli._tyro_error(plain) == want
 
 
 # ---- config.json: unknown keys, retired keys ------------------------------------------------
@@ -518,9 +528,9 @@ def test_a_run_whose_planned_peak_exceeds_the_hosts_memory_is_refused_before_bui
     batch = ["--train.global_batch", "8192", "--train.micro_batch", "8192"]
     cfg = recipes.get("llama-debug")
     apply_overrides(cfg, batch)
-    from hybrid2d.planner.memory import MeshShape, estimate
+    from hybrid2d.planner.memory import estimate
 
-    assert estimate(cfg, MeshShape(1, 1, 1), target="cpu").peak > ram  # the premise
+    assert estimate(cfg, RunLayout.build(cfg, 1), target="cpu").peak > ram  # the premise
     line = error_line(run_cli(*batch, "--train.steps", "1", timeout=120))
     assert "more than this host's RAM" in line and "--parallel.check_memory false" in line
 

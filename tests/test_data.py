@@ -15,7 +15,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models
 
-from hybrid2d.config import ConfigError, DataConfig, JobConfig
+from hybrid2d.config import DataConfig, JobConfig
 from hybrid2d.data import (
     GlobalBatchLoader,
     PackedDataset,
@@ -27,6 +27,7 @@ from hybrid2d.data import (
     tokenize_corpus,
 )
 from hybrid2d.data import tokenizer as tokenizer_mod
+from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
 
 SMALL = 200_000

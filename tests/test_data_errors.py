@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from hybrid2d.config import ConfigError, DataConfig, JobConfig
+from hybrid2d.config import DataConfig, JobConfig
 from hybrid2d.data import build_run_data, corpus_documents
 from hybrid2d.data.instruct import build_instruction_arrays
+from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
 from tests.launch import REPO, launcher_env
 from tests.workers.hf_chat import make_tokenizer

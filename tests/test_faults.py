@@ -12,7 +12,7 @@ import torch
 from torch.distributed import DistBackendError
 
 from hybrid2d import recipes, trainer
-from hybrid2d.config import ConfigError
+from hybrid2d.errors import ConfigError
 from hybrid2d.mesh import CollectiveError, collective_failure
 from tests.launch import REPO, launcher_env, torchrun
 

@@ -13,9 +13,10 @@ import torch
 from hybrid2d.checkpoint.hf import load_pretrained, source_model
 from hybrid2d.checkpoint.hf_convert import convert_hf_to_dcp
 from hybrid2d.checkpoint.reader import iter_model_tensors
-from hybrid2d.config import ConfigError, JobConfig
+from hybrid2d.config import JobConfig
 from hybrid2d.data import build_data
 from hybrid2d.data.tokenizer import describe_tokenizer
+from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
 from hybrid2d.models.llama import Llama
 from tests.launch import REPO, check_ok, launcher_env, run_ranks

@@ -14,10 +14,11 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from hybrid2d.config import ConfigError, JobConfig
+from hybrid2d.config import JobConfig
 from hybrid2d.data import EvalSet, build_run_data
 from hybrid2d.data.chat import load_chat_template
 from hybrid2d.data.instruct import build_instruction_arrays
+from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
 from tests.launch import REPO, launcher_env
 
@@ -328,7 +329,7 @@ def test_validation_settings_are_checked(settings, says):
 
 
 def test_val_fraction_range_and_forced_instruct_format(tmp_path):
-    from hybrid2d.config import apply_overrides
+    from hybrid2d.cli import apply_overrides
 
     with pytest.raises(ConfigError, match="data.val_fraction=0.7 is out of range"):
         apply_overrides(JobConfig(), ["--data.val_fraction", "0.7"])

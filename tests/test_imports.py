@@ -2,21 +2,25 @@
 hybrid2d import hidden inside a function to dodge one."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hybrid2d"
 
 # room -> rooms of hybrid2d it may import (besides itself)
 ALLOWED = {
-    "config": set(),
-    "sizes": {"config"},
-    "layout": {"config"},
-    "models": {"config"},
-    "data": {"config", "layout"},
-    "launcher": {"config", "layout"},
-    "mesh": {"config", "launcher", "layout", "shm_backend"},
-    "shm_backend": {"config"},
-    "parallel": {"config", "models", "mesh"},
+    "errors": set(),
+    "config": {"errors"},
+    "sizes": {"errors"},
+    "layout": {"config", "errors"},
+    "cli": {"config", "errors", "sizes"},
+    "models": {"config", "errors"},
+    "data": {"config", "errors", "layout"},
+    "launcher": {"config", "errors", "layout"},
+    "mesh": {"config", "errors", "launcher", "layout", "shm_backend"},
+    "shm_backend": {"errors"},
+    "parallel": {"config", "errors", "models", "mesh"},
 }
 NEVER_TRAINER = (
     "parallel",
@@ -147,3 +151,29 @@ def test_no_import_cycles():
         if m not in state:
             walk(m, [m])
     assert not cycles, "\n".join(cycles)
+
+
+def test_only_the_command_line_imports_tyro():
+    """tyro is the command line's parser (cli.py); a room that reads settings must not load it."""
+    users = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            if any(n == "tyro" or n.startswith("tyro.") for n in names):
+                users.append(module)
+    assert sorted(set(users)) == ["hybrid2d.cli"], users
+
+
+def test_the_model_the_shm_backend_and_the_data_load_without_tyro():
+    """config.py imported tyro at module level, so each of these did (and with it tyro's
+    docstring_parser)."""
+    code = (
+        "import sys, hybrid2d.models, hybrid2d.shm_backend, hybrid2d.data, hybrid2d.config;"
+        "print(sorted(m for m in sys.modules if m == 'tyro' or m.startswith('tyro.')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=PACKAGE.parent
+    )
+    assert out.stdout.strip() == "[]", out.stdout

@@ -12,12 +12,13 @@ import sys
 import xml.etree.ElementTree as ET
 from html.parser import HTMLParser
 
+import memory_report  # tools/memory_report.py (pyproject: the tests' pythonpath holds tools/)
 import pytest
 import torch
 from torch import nn
 
 from hybrid2d import recipes
-from hybrid2d.config import ConfigError
+from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout, mesh_sizes
 from hybrid2d.planner.memory import estimate, fsdp_shard
 from hybrid2d.profiling.measure import MemoryTracker, storage_bytes
@@ -197,9 +198,6 @@ def test_html_escapes_text():
 
 
 def test_memory_report_cli_estimates_and_says_what_fits(tmp_path, capsys):
-    sys.path.insert(0, str(REPO / "tools"))
-    import memory_report
-
     out = tmp_path / "rep"
     rc = memory_report.main(
         [
@@ -447,9 +445,6 @@ def test_trainer_profile_memory_writes_json_tensorboard_and_report(tmp_path):
     ET.fromstring(page.split("\n", 1)[1])
     assert "measured" in page and "estimated" in page
     # The tool's report of the run replaces the run's own, in memory/, not beside config.json.
-    sys.path.insert(0, str(REPO / "tools"))
-    import memory_report
-
     assert memory_report.main(["--run-dir", str(run_dir), "--target", "cpu"]) == 0
     assert not list(run_dir.glob("memory_report.*"))
     page = (run_dir / "memory" / "memory_report.html").read_text()

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from hybrid2d import recipes
-from hybrid2d.config import ConfigError
+from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
 from hybrid2d.planner.launch import auto_plan, guess_note, profile_for
 from hybrid2d.planner.search import best_plan

@@ -14,7 +14,8 @@ import typing
 import pytest
 
 from hybrid2d import recipes
-from hybrid2d.config import ConfigError, JobConfig, ModelConfig
+from hybrid2d.config import JobConfig, ModelConfig
+from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
 from hybrid2d.metrics import flops_per_token
 from hybrid2d.parallel.activation_checkpoint import MODES

@@ -10,7 +10,8 @@ import re
 import pytest
 
 from hybrid2d import recipes
-from hybrid2d.config import ConfigError, apply_overrides
+from hybrid2d.cli import apply_overrides
+from hybrid2d.errors import ConfigError
 from hybrid2d.launcher import launcher_sizes, launcher_sizes_note, layout_for_world
 from hybrid2d.layout import RunLayout, mesh_sizes
 from hybrid2d.planner.launch import profile_for

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from hybrid2d import run_dir
-from hybrid2d.config import ConfigError
+from hybrid2d.errors import ConfigError
 from tests.launch import REPO
 
 HOLD = """
@@ -24,7 +24,7 @@ sys.stdin.read()  # hold until the test closes stdin (or kills us)
 
 RACE = """
 import sys
-from hybrid2d.config import ConfigError
+from hybrid2d.errors import ConfigError
 from hybrid2d.run_dir import acquire_lock
 print("ready", flush=True)
 sys.stdin.readline()  # all starters go at once
@@ -38,7 +38,7 @@ sys.stdin.read()  # keep what we got until the test has every answer
 
 CHURN = """
 import os, sys
-from hybrid2d.config import ConfigError
+from hybrid2d.errors import ConfigError
 from hybrid2d.run_dir import acquire_lock, release_locks
 inside = os.path.join(sys.argv[1], "inside")
 got = 0

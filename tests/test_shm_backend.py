@@ -15,7 +15,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from hybrid2d import shm_backend
-from hybrid2d.config import ConfigError
+from hybrid2d.errors import ConfigError
 from tests.launch import check_ok, run_ranks
 
 WORKER = "tests/workers/shm_backend_worker.py"

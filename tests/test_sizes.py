@@ -2,7 +2,7 @@
 
 import pytest
 
-from hybrid2d.config import ConfigError
+from hybrid2d.errors import ConfigError
 from hybrid2d.sizes import parse_size
 
 

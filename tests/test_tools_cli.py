@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from hybrid2d.cli import positive_size
-from hybrid2d.config import ConfigError
+from hybrid2d.errors import ConfigError
 from tests.launch import REPO
 
 TOOLS = [
@@ -91,6 +91,53 @@ def test_every_tool_uses_the_shared_parser(name):
     source = (REPO / "tools" / f"{name}.py").read_text()
     assert "from hybrid2d.cli import OneLineParser" in source
     assert "ArgumentParser(" not in source and "class OneLineParser" not in source
+
+
+ENTRY_POINTS = sorted(
+    p.relative_to(REPO) for p in [*REPO.glob("tools/*.py"), REPO / "recipes/llama.py"]
+)
+
+
+@pytest.mark.parametrize("path", ENTRY_POINTS, ids=str)
+def test_entry_points_parse_with_the_one_parser_and_do_not_edit_sys_path(path):
+    """bench.py and bench_worker.py had argparse's own parser, recipes/llama.py a second
+    subclass, and every one of them put the checkout on sys.path (`pip install -e .` does)."""
+    source = (REPO / path).read_text()
+    assert "sys.path" not in source
+    assert "ArgumentParser(" not in source and "class OneLineParser" not in source
+    assert "import OneLineParser" in source or "OneLineParser," in source
+
+
+def test_the_parser_touches_no_private_part_of_argparse():
+    """OneLineParser set argparse's private `_negative_number_matcher` and read its private
+    `_option_string_actions`; it now joins '-5GiB' to its option and keeps its own table."""
+    source = (REPO / "hybrid2d" / "cli.py").read_text()
+    assert "_negative_number_matcher" not in source and "_option_string_actions" not in source
+
+
+def test_the_benchmark_refuses_in_one_line(capsys):
+    """tools/bench.py printed argparse's usage block before the error."""
+    code, _, err = call(capsys, "bench", ["--mesh"])
+    assert code == 2
+    assert one_error_line(err) == "error: argument --mesh: expected one argument"
+
+
+@pytest.mark.parametrize(
+    "script", [["tools/convert_hf_to_dcp.py", "--help"], ["recipes/llama.py", "--list"]]
+)
+def test_scripts_run_from_any_working_directory(tmp_path, script):
+    """Without the sys.path edit a script finds hybrid2d as installed (here: PYTHONPATH)."""
+    path, *argv = script
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run(
+        [sys.executable, str(REPO / path), *argv],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0 and out.stdout and not out.stderr, out.stderr
 
 
 # ---- sizes ------------------------------------------------------------------------------------

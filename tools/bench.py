@@ -26,14 +26,14 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+from bench_worker import bench_job  # this script's folder
 
-import torch  # noqa: E402
-from bench_worker import bench_job  # noqa: E402  (this script's folder)
-
-from hybrid2d.config import ConfigError, ModelConfig  # noqa: E402
-from hybrid2d.layout import RunLayout  # noqa: E402
-from hybrid2d.metrics import flops_per_token  # noqa: E402
+from hybrid2d.cli import OneLineParser
+from hybrid2d.config import ModelConfig
+from hybrid2d.errors import ConfigError
+from hybrid2d.layout import RunLayout
+from hybrid2d.metrics import flops_per_token
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_worker.py")
 
@@ -324,7 +324,7 @@ def check_args(args) -> list[tuple[int, int]]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--mesh", action="append", help="DPxTP, repeatable (default 2x2 and 1x2)")
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)

@@ -7,24 +7,21 @@ AdamW and grad clipping, and rank 0 writes step times, losses and peak RSS per r
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import json
 import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from hybrid2d.config import JobConfig, ModelConfig, apply_overrides  # noqa: E402
-from hybrid2d.layout import RunLayout  # noqa: E402
-from hybrid2d.mesh import shutdown_distributed  # noqa: E402
-from hybrid2d.metrics import peak_memory_bytes  # noqa: E402
+from hybrid2d.cli import OneLineParser, apply_overrides
+from hybrid2d.config import JobConfig, ModelConfig
+from hybrid2d.layout import RunLayout
+from hybrid2d.mesh import shutdown_distributed
+from hybrid2d.metrics import peak_memory_bytes
 
 
 def batches(model: ModelConfig, global_batch: int, seq_len: int, steps: int, seed: int = 0):
@@ -194,7 +191,7 @@ def run_single(args):
 
 
 def main():
-    p = argparse.ArgumentParser()
+    p = OneLineParser()
     p.add_argument("--impl", choices=["hybrid2d", "transformers", "single"], required=True)
     p.add_argument("--model-dir", required=True)
     p.add_argument("--dp", type=int, default=1)

@@ -12,12 +12,9 @@ the token ids and stops that tools/export_checkpoint.py writes (hybrid2d/checkpo
 
 from __future__ import annotations
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from hybrid2d.cli import OneLineParser, positive_size  # noqa: E402
+from hybrid2d.cli import OneLineParser, positive_size
 
 
 def main(argv: list[str] | None = None) -> int:

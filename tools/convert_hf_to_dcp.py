@@ -9,12 +9,9 @@ SRC's tokenizer files. Train from it with `--checkpoint.init_from dcp:DST`.
 
 from __future__ import annotations
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from hybrid2d.cli import OneLineParser  # noqa: E402
+from hybrid2d.cli import OneLineParser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,9 +23,7 @@ import os
 import shutil
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from hybrid2d.cli import OneLineParser, positive_size  # noqa: E402
+from hybrid2d.cli import OneLineParser, positive_size
 
 ONE_FILE = 2**62  # no size cap: a single model.safetensors
 
@@ -45,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from hybrid2d.checkpoint import layout, standalone
     from hybrid2d.checkpoint.hf_convert import convert_dcp_to_hf, parse_dtype, run_tool
-    from hybrid2d.config import ConfigError
+    from hybrid2d.errors import ConfigError
 
     def work() -> str:
         dtype = parse_dtype(args.dtype, ("fp32", "bf16"))

@@ -26,10 +26,8 @@ import math
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from hybrid2d.cli import OneLineParser  # noqa: E402
-from hybrid2d.config import ConfigError  # noqa: E402
+from hybrid2d.cli import OneLineParser
+from hybrid2d.errors import ConfigError
 
 
 def parse(argv):

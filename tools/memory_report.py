@@ -29,16 +29,15 @@ import time
 
 import psutil
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from hybrid2d import recipes  # noqa: E402
-from hybrid2d.cli import OneLineParser, positive_size  # noqa: E402
-from hybrid2d.config import ConfigError, JobConfig, apply_overrides  # noqa: E402
-from hybrid2d.layout import MESH_DIMS, RunLayout  # noqa: E402
-from hybrid2d.planner.memory import estimate, estimates_per_rank  # noqa: E402
-from hybrid2d.profiling.profiler import load_measured, summary_rows  # noqa: E402
-from hybrid2d.profiling.report import CATEGORIES, LABELS, Entry, Report, fmt_bytes, write  # noqa: E402
-from hybrid2d.simulate import run_subprocess  # noqa: E402
+from hybrid2d import recipes
+from hybrid2d.cli import OneLineParser, apply_overrides, positive_size
+from hybrid2d.config import JobConfig
+from hybrid2d.errors import ConfigError
+from hybrid2d.layout import MESH_DIMS, RunLayout
+from hybrid2d.planner.memory import estimate, estimates_per_rank
+from hybrid2d.profiling.profiler import load_measured, summary_rows
+from hybrid2d.profiling.report import CATEGORIES, LABELS, Entry, Report, fmt_bytes, write
+from hybrid2d.simulate import run_subprocess
 
 # A simulated rank needs its tensors plus the Python/torch process (~0.5 GiB) and slack.
 SIM_MEMORY_FRACTION = 0.6

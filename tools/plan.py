@@ -30,16 +30,15 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from hybrid2d import recipes  # noqa: E402
-from hybrid2d.cli import OneLineParser, positive_size  # noqa: E402
-from hybrid2d.config import ConfigError, JobConfig, ModelConfig, apply_overrides  # noqa: E402
-from hybrid2d.layout import MESH_DIMS, RunLayout  # noqa: E402
-from hybrid2d.metrics import flops_per_token  # noqa: E402
-from hybrid2d.planner import hardware as hwlib  # noqa: E402
-from hybrid2d.planner.model import DEFAULT_HEADROOM, predict  # noqa: E402
-from hybrid2d.planner.search import (  # noqa: E402
+from hybrid2d import recipes
+from hybrid2d.cli import OneLineParser, apply_overrides, positive_size
+from hybrid2d.config import JobConfig, ModelConfig
+from hybrid2d.errors import ConfigError
+from hybrid2d.layout import MESH_DIMS, RunLayout
+from hybrid2d.metrics import flops_per_token
+from hybrid2d.planner import hardware as hwlib
+from hybrid2d.planner.model import DEFAULT_HEADROOM, predict
+from hybrid2d.planner.search import (
     accelerate_config,
     divisors,
     format_table,
@@ -487,8 +486,8 @@ def run_validate(args, hw) -> int:
 
 
 def measure_validation(args, hw) -> str:
-    sys.path.insert(0, os.path.join(REPO, "tools"))
-    import bench  # tools/bench.py: the same launcher and worker the benchmarks use
+    # tools/bench.py, from this script's folder: the same launcher and worker the benchmarks use
+    import bench
     from bench_worker import bench_job
 
     from hybrid2d.planner.calibrate import calibrate

@@ -61,7 +61,8 @@ from hybrid2d.checkpoint.reader import (
     read_config,
     read_metadata,
 )
-from hybrid2d.config import CheckpointConfig, ConfigError, JobConfig
+from hybrid2d.config import CheckpointConfig, JobConfig
+from hybrid2d.errors import ConfigError
 from hybrid2d.mesh import agree, print0
 
 # Test hook: "STEP:RANK" makes that rank SIGKILL itself in the save of STEP, after the data was

@@ -40,7 +40,8 @@ from hybrid2d.checkpoint.reader import (
     read_saved_block,
     saved_tensor,
 )
-from hybrid2d.config import ConfigError, JobConfig, ModelConfig
+from hybrid2d.config import JobConfig, ModelConfig
+from hybrid2d.errors import ConfigError
 from hybrid2d.models.llama import rope_inv_freq
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)

@@ -55,8 +55,9 @@ from hybrid2d.checkpoint.hf_tokens import (
     tokenizer_config,
 )
 from hybrid2d.checkpoint.reader import iter_model_tensors, model_entries, read_metadata
-from hybrid2d.config import ConfigError, JobConfig, ModelConfig
+from hybrid2d.config import JobConfig, ModelConfig
 from hybrid2d.data.chat import TOKENIZER_CONFIG
+from hybrid2d.errors import ConfigError
 
 DTYPE_ALIASES = {
     "fp32": torch.float32,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybrid2d.config import ConfigError
+from hybrid2d.errors import ConfigError
 
 
 class CheckpointError(ConfigError):

@@ -36,9 +36,10 @@ from tokenizers import Tokenizer
 from hybrid2d.checkpoint import layout
 from hybrid2d.checkpoint.hf import config_mismatch, model_config_from_hf, parse_init_from
 from hybrid2d.checkpoint.hf_safetensors import CheckpointError, load_json
-from hybrid2d.config import ConfigError, ModelConfig
+from hybrid2d.config import ModelConfig
 from hybrid2d.data.chat import TOKENIZER_CONFIG, end_of_turn_ids
 from hybrid2d.data.tokenizer import eos_id
+from hybrid2d.errors import ConfigError
 
 HF_CONFIG_COPY = "hf_config.json"  # the source's HF config.json, kept verbatim in a DCP dir
 GENERATION_CONFIG = "generation_config.json"

@@ -20,7 +20,7 @@ import re
 import shutil
 from pathlib import Path
 
-from hybrid2d.config import ConfigError
+from hybrid2d.errors import ConfigError
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"

@@ -23,7 +23,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from hybrid2d.checkpoint import layout
 from hybrid2d.checkpoint.hf_safetensors import _byte_view, _read_exact, read_block
-from hybrid2d.config import ConfigError, JobConfig, ModelConfig
+from hybrid2d.config import JobConfig, ModelConfig
+from hybrid2d.errors import ConfigError
 from hybrid2d.models.llama import Llama
 
 MODEL = "model"  # top-level keys of the saved state (shared with the HF converter)

@@ -22,7 +22,8 @@ from hybrid2d.checkpoint.reader import (
     read_config,
     read_metadata,
 )
-from hybrid2d.config import ConfigError, JobConfig, ModelConfig
+from hybrid2d.config import JobConfig, ModelConfig
+from hybrid2d.errors import ConfigError
 from hybrid2d.models.llama import Llama, rope_inv_freq
 
 HYBRID2D_CONFIG = "hybrid2d_config.json"  # the run's JobConfig, kept next to an export

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from hybrid2d.config import ConfigError, JobConfig
+from hybrid2d.config import JobConfig
 from hybrid2d.data.cache import atomic_path, cache_key, must_build, save_npy
 from hybrid2d.data.chat import load_chat_template
 from hybrid2d.data.corpus import corpus_identity, source_files
@@ -39,6 +39,7 @@ from hybrid2d.data.loader import GlobalBatchLoader
 from hybrid2d.data.packing import PackedDataset
 from hybrid2d.data.tokenizer import load_or_train_tokenizer, tokenizer_hash
 from hybrid2d.data.tokens import tokenize_corpus
+from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
 
 DEFAULT_CACHE_DIR = "~/.cache/hybrid2d"

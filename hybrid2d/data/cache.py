@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from hybrid2d.config import ConfigError
+from hybrid2d.errors import ConfigError
 
 
 def cache_key(*parts: object) -> str:

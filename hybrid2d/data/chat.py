@@ -15,7 +15,7 @@ import datetime
 import json
 import pathlib
 
-from hybrid2d.config import ConfigError
+from hybrid2d.errors import ConfigError
 
 TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG = "tokenizer_config.json"

@@ -17,7 +17,8 @@ import sys
 import sysconfig
 from collections.abc import Iterator
 
-from hybrid2d.config import ConfigError, DataConfig
+from hybrid2d.config import DataConfig
+from hybrid2d.errors import ConfigError
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 

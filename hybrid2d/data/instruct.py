@@ -35,10 +35,10 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from hybrid2d.config import ConfigError
 from hybrid2d.data.chat import ChatTemplate, TemplateRenderError
 from hybrid2d.data.corpus import INSTRUCTION_KEYS, not_utf8
 from hybrid2d.data.tokenizer import eos_id, leading_special_ids, special_tokens_as_text
+from hybrid2d.errors import ConfigError
 
 IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant", "tool")

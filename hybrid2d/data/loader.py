@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hybrid2d.config import ConfigError
 from hybrid2d.data.packing import PackedDataset
+from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hybrid2d.config import ConfigError
+from hybrid2d.errors import ConfigError
 
 
 class PackedDataset:

@@ -11,9 +11,10 @@ import pathlib
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from hybrid2d.config import ConfigError, DataConfig, JobConfig
+from hybrid2d.config import DataConfig, JobConfig
 from hybrid2d.data.cache import atomic_path, cache_key, must_build
 from hybrid2d.data.corpus import corpus_documents, corpus_identity
+from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
 
 EOS_TOKEN = "<|endoftext|>"

@@ -49,7 +49,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import fully_shard
 
-from hybrid2d.config import ConfigError, JobConfig, ModelConfig
+from hybrid2d.config import JobConfig, ModelConfig
+from hybrid2d.errors import ConfigError
 from hybrid2d.mesh import init_distributed, shutdown_distributed
 from hybrid2d.models.llama import DecoderLayer, Llama
 from hybrid2d.parallel.sequence_comm import all_gather_dim0

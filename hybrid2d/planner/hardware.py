@@ -25,7 +25,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from hybrid2d.config import ConfigError
+from hybrid2d.errors import ConfigError
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from hybrid2d.config import ConfigError, JobConfig, ModelConfig
+from hybrid2d.config import JobConfig, ModelConfig
+from hybrid2d.errors import ConfigError
 from hybrid2d.launcher import LAUNCHER_MESH_ENV, launched_mesh_env
 from hybrid2d.layout import RunLayout
 from hybrid2d.mesh import Mesh

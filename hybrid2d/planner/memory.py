@@ -49,7 +49,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybrid2d.config import ConfigError, JobConfig, ModelConfig, resolve_mixed_precision
+from hybrid2d.config import JobConfig, ModelConfig, resolve_mixed_precision
+from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
 from hybrid2d.models.llama import Llama
 from hybrid2d.parallel.tensor_parallel import llama_tp_plan

@@ -58,7 +58,8 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from hybrid2d.config import ConfigError, JobConfig, ModelConfig
+from hybrid2d.config import JobConfig, ModelConfig
+from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
 from hybrid2d.metrics import flops_per_token
 from hybrid2d.planner import ops

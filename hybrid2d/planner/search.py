@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from hybrid2d.config import ConfigError, JobConfig, ModelConfig
+from hybrid2d.config import JobConfig, ModelConfig
+from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout, divisors
 from hybrid2d.planner.hardware import Hardware
 from hybrid2d.planner.model import DEFAULT_HEADROOM, Candidate, group_inside_node, predict_valid

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from hybrid2d import shm_backend
-from hybrid2d.config import JobConfig, apply_overrides
+from hybrid2d.cli import apply_overrides
+from hybrid2d.config import JobConfig
 from hybrid2d.layout import RunLayout
 from hybrid2d.mesh import build_mesh, init_distributed, shutdown_distributed
 from tests.reference import global_batches, tiny_config

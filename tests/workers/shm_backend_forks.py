@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid2d import shm_backend as sb
-from hybrid2d.config import ConfigError
+from hybrid2d.errors import ConfigError
 
 WORLD = 2
 

@@ -13,7 +13,7 @@ import sys
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 from hybrid2d import recipes  # noqa: E402
-from hybrid2d.config import apply_overrides  # noqa: E402
+from hybrid2d.cli import apply_overrides  # noqa: E402
 from hybrid2d.trainer import run  # noqa: E402
 from tests.test_faults import SMALL  # noqa: E402
 
