@@ -236,6 +236,17 @@ def collective_failure(error: BaseException) -> str | None:
     return None
 
 
+def as_collective_error(error: BaseException, timeout_s: int) -> CollectiveError | None:
+    """A failed collective (any backend) as this rank's one-line CollectiveError, naming the
+    rank and parallel.timeout_s; None for any other error."""
+    reason = collective_failure(error)
+    if reason is None:
+        return None
+    rank = f"rank {world_from_env()[0]}"
+    where = "" if reason.startswith(rank + ":") else rank + ": "
+    return CollectiveError(f"{where}{reason} (parallel.timeout_s={timeout_s})")
+
+
 def agree(error: str | None, group=None) -> None:
     """Raise ConfigError(first error of any rank) on every rank, or return on every rank.
 

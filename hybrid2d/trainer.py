@@ -17,16 +17,13 @@ from hybrid2d.checkpoint.state import ModelState, OptimizerState, rng_state, set
 from hybrid2d.config import JobConfig
 from hybrid2d.data import EvalSet, build_run_data
 from hybrid2d.data.chat import tokenizer_side_files
-from hybrid2d.data.tokenizer import describe_tokenizer
 from hybrid2d.errors import ConfigError
 from hybrid2d.launcher import world_from_env
 from hybrid2d.mesh import (
-    CollectiveError,
     Mesh,
     agree_on_settings,
+    as_collective_error,
     build_mesh,
-    collective_failure,
-    describe_transport,
     init_distributed,
     on_rank0,
     pick_device,
@@ -35,7 +32,7 @@ from hybrid2d.mesh import (
     shutdown_distributed,
 )
 from hybrid2d.metrics import MetricsWriter
-from hybrid2d.metrics.progress import RunProgress
+from hybrid2d.metrics.progress import RunProgress, start_line
 from hybrid2d.metrics.summary import run_summary, write_summary
 from hybrid2d.models.llama import Llama
 from hybrid2d.optim import build_optimizer, build_scheduler, clip_grad_norm, follow_settings
@@ -120,13 +117,7 @@ class Trainer:
         set_rng_state(state["rng"], self.mesh.device)
         self.step = int(state["step"])
 
-    def forward_backward(
-        self,
-        inputs: torch.Tensor,
-        labels: torch.Tensor,
-        scale: float,
-        divide_by: float | None = None,
-    ):
+    def forward_backward(self, inputs, labels, scale: float, divide_by: float | None = None):
         """Summed token loss / divide_by (None: the mean over this batch's loss tokens),
         backward of it times scale; returns the loss."""
         loss = cross_entropy(self.model(inputs), labels, divide_by)
@@ -192,9 +183,7 @@ class Trainer:
         return StepResult(self.step, loss, grad_norm, lr, time.perf_counter() - start, not finite)
 
     @torch.no_grad()
-    def evaluate(
-        self, val: EvalSet, on_batch: Callable[[], None] = lambda: None
-    ) -> tuple[float, float]:
+    def evaluate(self, val: EvalSet, on_batch: Callable[[], None] = lambda: None):
         """(mean loss per loss token, perplexity) over the whole held-out set: forward only,
         summed token losses and loss-token counts all-reduced over dp, so every mesh computes
         the same token-weighted mean. `on_batch` runs after each batch (progress)."""
@@ -253,21 +242,16 @@ def run(cfg: JobConfig, set_on_cli: frozenset[str] | set[str] = frozenset()) -> 
         raise  # raised on every rank together (mesh.agree, the same non-finite branch)
     except BaseException as e:
         failed_alone = True  # e.g. a collective timed out: the peers may never come
-        reason = collective_failure(e)
-        if reason is None:
+        failed = as_collective_error(e, cfg.parallel.timeout_s)
+        if failed is None:
             raise
-        rank = f"rank {world_from_env()[0]}"
-        where = "" if reason.startswith(rank + ":") else rank + ": "
-        raise CollectiveError(
-            f"{where}{reason} (parallel.timeout_s={cfg.parallel.timeout_s})"
-        ) from e
+        raise failed from e
     finally:
         release_locks()
         shutdown_distributed(wait_for_peers=not failed_alone)
 
 
 def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
-
     torch.manual_seed(cfg.train.seed)
     run_dir = on_rank0(lambda: create_run_dir(cfg))  # rank 0 creates and locks it
     main = dist.get_rank() == 0
@@ -275,21 +259,16 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
     # What ran, as settings (the layout's values in place of the settings'): the run's and
     # its checkpoints' config.json, which a resume and an export read back.
     ran = JobConfig.from_dict(layout.recorded(cfg))
-    print0(
-        f"hybrid2d: recipe {cfg.recipe}, {layout.model.num_params() / 1e6:.1f}M params, mesh "
-        f"dp_replicate={mesh.dp_replicate} x dp_shard={mesh.dp_shard} x tp={mesh.tp} on "
-        f"{mesh.device.type} ({describe_transport(mesh)}), tokenizer "
-        f"{describe_tokenizer(cfg, layout)}, run dir {run_dir}"
-    )
+    print0(start_line(cfg, mesh, run_dir))
     print0(describe_plan(plan))
     # A bad --checkpoint.resume fails here, on every rank, before data and model are built.
     resume_from = find_resume(cfg, run_dir)
     data = build_run_data(cfg, layout, mesh.dp_rank, main, dist.barrier)
-    loader, tokenizer = data.loader, data.tokenizer
     print0(data.describe())
     trainer = Trainer(cfg, mesh, resuming=resume_from is not None)
-    states = trainer.checkpoint_states() | {f"{TRAINER}.data": loader}
-    ckpt = Checkpointer(ran, run_dir, states, tokenizer, tokenizer_side_files(layout.tokenizer))
+    states = trainer.checkpoint_states() | {f"{TRAINER}.data": data.loader}
+    side_files = tokenizer_side_files(layout.tokenizer)
+    ckpt = Checkpointer(ran, run_dir, states, data.tokenizer, side_files)
     if resume_from is not None:
         ckpt.load(resume_from)
     first_step = trainer.step + 1  # this launch's first step (after a resume: not 1)

@@ -9,8 +9,20 @@ import sys
 import torch.distributed as dist
 
 from hybrid2d.config import JobConfig
-from hybrid2d.mesh import Mesh, print0
+from hybrid2d.data.tokenizer import describe_tokenizer
+from hybrid2d.mesh import Mesh, describe_transport, print0
 from hybrid2d.metrics.writer import MetricsWriter, flops_per_token, peak_memory_bytes
+
+
+def start_line(cfg: JobConfig, mesh: Mesh, run_dir: str) -> str:
+    """What a run is, in its first line: recipe, size, mesh, transport, tokenizer, run dir."""
+    layout = mesh.layout
+    return (
+        f"hybrid2d: recipe {cfg.recipe}, {layout.model.num_params() / 1e6:.1f}M params, mesh "
+        f"dp_replicate={mesh.dp_replicate} x dp_shard={mesh.dp_shard} x tp={mesh.tp} on "
+        f"{mesh.device.type} ({describe_transport(mesh)}), tokenizer "
+        f"{describe_tokenizer(cfg, layout)}, run dir {run_dir}"
+    )
 
 
 class _Bar:
