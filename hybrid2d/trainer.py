@@ -262,7 +262,7 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
     print0(start_line(cfg, mesh, run_dir))
     print0(describe_plan(plan))
     # A bad --checkpoint.resume fails here, on every rank, before data and model are built.
-    resume_from = find_resume(cfg, run_dir)
+    resume_from = find_resume(ran, run_dir)
     data = build_run_data(cfg, layout, mesh.dp_rank, main, dist.barrier)
     print0(data.describe())
     trainer = Trainer(cfg, mesh, resuming=resume_from is not None)

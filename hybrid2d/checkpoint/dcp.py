@@ -89,7 +89,8 @@ def _checked(fn, *args):
 
 
 def find_resume(cfg: JobConfig, run_dir: str | os.PathLike) -> Path | None:
-    """The step directory --checkpoint.resume asks for, checked against cfg.model and its
+    """The step directory --checkpoint.resume asks for, checked against cfg.model (the model
+    that runs: give the run's record, `RunLayout.recorded`, when init_from decides it) and its
     checksums; None to start fresh. Needs no model, and every rank runs it before data and model
     are built, so a bad checkpoint costs seconds."""
     setting = cfg.checkpoint.resume
