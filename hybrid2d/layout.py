@@ -155,7 +155,7 @@ class RunLayout:
         return cls.build(cfg, math.prod(sizes.values()), **sizes, **choices)
 
     def with_choices(self, cfg: JobConfig, **choices) -> RunLayout:
-        """This layout with some of its choices changed (a planner's candidate), checked again."""
+        """This layout for other settings (a simulation's), some choices changed, checked again."""
         current = {
             "dp_replicate": self.dp_replicate,
             "dp_shard": self.dp_shard,
