@@ -306,6 +306,7 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
         data=data,
         tensor_peak=memory.tensor_peak(),
         stopped=stopped,
+        skipped_steps=trainer.skipped_steps,
     )
     if main:
         write_summary(run_dir, summary)

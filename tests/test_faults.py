@@ -134,7 +134,13 @@ def test_nonfinite_skip_leaves_every_parameter_bit_identical(tmp_path):
         if ln.endswith("update skipped")
     ]
     assert skipped and skipped == list(range(skipped[0], 6)), proc.stdout  # once NaN, always
-    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 5
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 5
+    # The count is in summary.json and in the closing lines (exit 0 still: README says why).
+    assert summary["skipped_steps"] == skipped
+    steps = str(skipped[0]) if skipped[0] == 5 else f"{skipped[0]}-5"
+    line = f"  skipped        {len(skipped)} of 5 updates (non-finite): steps {steps}"
+    assert line in proc.stdout.splitlines(), proc.stdout
     # Steps 1.. before the first skip changed the weights; every skipped step left each tensor
     # bit for bit as the step before it had it.
     first = skipped[0]

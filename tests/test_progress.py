@@ -137,3 +137,32 @@ def test_the_plan_is_printed_at_the_start_and_beside_the_measurement_at_the_end(
     ]
     untested = against_plan(plan, [0.3], [None], on_cuda=False)
     assert "tensors not measured" in format_summary({**summary, "plan": untested})
+
+
+def test_skipped_updates_get_one_summary_line_only_when_there_are_any():
+    """train.on_nonfinite=skip used to end with exit 0 and no count of the skipped updates:
+    the closing lines name them (as ranges, shortened), and a run that skipped none prints
+    the lines it always did."""
+    summary = {
+        "steps": 12,
+        "first_step": 5,  # a resumed launch: steps 5..12 are its 8 updates
+        "losses": [5.0, 4.0],
+        "first_loss": 5.0,
+        "last_loss": 4.0,
+        "tokens_per_s": 1234.5,
+        "time_s": 3.21,
+        "peak_memory_bytes_per_rank": [2**30],
+        "run_dir": "runs/x",
+    }
+    plain = format_summary(summary).splitlines()
+    assert format_summary({**summary, "skipped_steps": []}).splitlines() == plain
+    lines = format_summary({**summary, "skipped_steps": [6, 7, 8, 9, 10, 11, 12]}).splitlines()
+    assert lines == [
+        *plain[:3],
+        "  skipped        7 of 8 updates (non-finite): steps 6-12",
+        *plain[3:],
+    ]
+    scattered = {**summary, "steps": 20, "skipped_steps": [5, 7, 9, 10, 11, 13, 15, 17, 19]}
+    assert format_summary(scattered).splitlines()[3] == (
+        "  skipped        9 of 16 updates (non-finite): steps 5, 7, 9-11, 13, ..., 17, 19"
+    )

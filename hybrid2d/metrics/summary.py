@@ -60,8 +60,10 @@ def run_summary(
     data: RunData,
     tensor_peak: int | None,
     stopped: BaseException | None,
+    skipped_steps: list[int],
 ) -> dict:
-    """summary.json's dict, built on every rank (each rank's peak is gathered from all)."""
+    """summary.json's dict, built on every rank (each rank's peak is gathered from all).
+    `skipped_steps`: this launch's steps whose update train.on_nonfinite=skip skipped."""
     peaks, tensor_peaks = gather_peaks(mesh, tensor_peak)
     losses, times, evals = progress.losses, progress.times, progress.evals
     # Skip the first steps (allocation, warm-up) when there are enough to measure steady state.
@@ -74,6 +76,7 @@ def run_summary(
         "first_loss": losses[0] if losses else None,
         "last_loss": losses[-1] if losses else None,
         "losses": losses,
+        "skipped_steps": skipped_steps,
         "tokens_per_s": progress.tokens_per_step * len(steady) / sum(steady) if steady else 0.0,
         "time_s": time_s,
         "peak_memory_bytes_per_rank": peaks,
@@ -112,10 +115,31 @@ def _plan_line(p: dict) -> str:
     )
 
 
+def _step_ranges(steps: list[int], shown: int = 6) -> str:
+    """Ascending steps as ranges (`1-3, 7`); past `shown` ranges, the first and last ones
+    around `...`, so a long run's line stays one short line."""
+    ranges: list[list[int]] = []
+    for step in steps:
+        if ranges and step == ranges[-1][1] + 1:
+            ranges[-1][1] = step
+        else:
+            ranges.append([step, step])
+    text = [str(a) if a == b else f"{a}-{b}" for a, b in ranges]
+    if len(text) > shown:
+        text = [*text[: shown - 2], "...", *text[-2:]]
+    return ", ".join(text)
+
+
 def format_summary(s: dict) -> str:
     lines = ["summary", f"  steps          {s['steps']}"]
     if s["losses"]:
         lines.append(f"  loss           {s['first_loss']:.4f} -> {s['last_loss']:.4f}")
+    if skipped := s.get("skipped_steps"):
+        updates = s["steps"] - s["first_step"] + 1
+        lines.append(
+            f"  skipped        {len(skipped)} of {updates} updates (non-finite): "
+            f"steps {_step_ranges(skipped)}"
+        )
     if s.get("val_loss") is not None:
         lines.append(f"  val loss       {s['val_loss']:.4f} (perplexity {s['val_ppl']:.2f})")
     if train := s.get("data", {}).get("train"):
