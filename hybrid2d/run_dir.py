@@ -21,11 +21,18 @@ import socket
 import time
 from pathlib import Path
 
-from hybrid2d.checkpoint.layout import find_run_to_resume, write_text_atomic
+from hybrid2d.checkpoint.layout import (
+    LATEST,
+    checkpoints_dir,
+    complete_steps,
+    find_run_to_resume,
+    write_text_atomic,
+)
 from hybrid2d.config import JobConfig
 from hybrid2d.errors import ConfigError
 
 LOCK_NAME = ".lock"
+EARLIER_RUN = ("config.json", "summary.json", "tensorboard")  # what a launch that trained leaves
 _held: list[tuple[str, int]] = []  # (lock path, descriptor holding its flock)
 _created: list[str] = []  # run directories this process made (removed on release if empty)
 
@@ -113,8 +120,9 @@ atexit.register(release_locks)
 
 
 def create_run_dir(cfg: JobConfig) -> str:
-    """Name, create and lock the run directory (rank 0 only). Its config.json is written by
-    `write_run_config` once the run has passed its checks."""
+    """Name, create and lock the run directory (rank 0 only); without --checkpoint.resume, refuse
+    one an earlier launch trained in. Its config.json is written by `write_run_config` once the
+    run has passed its checks."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     try:
         path = cfg.metrics.run_dir.format(recipe=cfg.recipe, time=stamp)
@@ -137,7 +145,24 @@ def create_run_dir(cfg: JobConfig) -> str:
             f"metrics.run_dir={path} is not writable ({e.strerror}); choose a directory you "
             "can write to with --metrics.run_dir"
         ) from None
+    if not cfg.checkpoint.resume:
+        refuse_earlier_run(path)
     return path
+
+
+def refuse_earlier_run(path: str) -> None:
+    """ConfigError if a launch that trains afresh would write over an earlier launch's run
+    (its config.json and summary.json replaced, a second TensorBoard file over the same steps).
+    A run dir with checkpoints is left to `find_resume`, whose refusal names them."""
+    ckpts = checkpoints_dir(path)
+    if (ckpts / LATEST).is_file() or complete_steps(ckpts):
+        return
+    found = [name for name in EARLIER_RUN if os.path.exists(os.path.join(path, name))]
+    if found:
+        raise ConfigError(
+            f"metrics.run_dir={path} holds an earlier run ({', '.join(found)}) and no checkpoint "
+            "to continue from; train in another --metrics.run_dir, or delete that directory first"
+        )
 
 
 def write_run_config(path: str, cfg: JobConfig) -> None:

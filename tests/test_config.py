@@ -455,14 +455,19 @@ def test_retired_keys_on_the_command_line(capsys, monkeypatch, key):
 
 def test_a_refused_launch_leaves_an_earlier_runs_config_json_alone(tmp_path):
     """A launch into an existing run dir that fails its checks (here: data that does not
-    exist) exits 2 with one line and does not rewrite the earlier run's config.json."""
+    exist) exits 2 with one line and does not rewrite the earlier run's config.json. Without
+    --checkpoint.resume, an earlier run's dir with no checkpoint is refused first (it was
+    written over)."""
     run = tmp_path / "run"
     run.mkdir()
     earlier = '{"earlier": "run"}'
     (run / "config.json").write_text(earlier)
+    line = error_line(run_cli("--metrics.run_dir", str(run), timeout=120))
+    assert f"metrics.run_dir={run} holds an earlier run (config.json)" in line, line
     proc = run_cli(
-        "--data.path", str(tmp_path / "missing.txt"), "--metrics.run_dir", str(run), timeout=120
-    )
+        "--data.path", str(tmp_path / "missing.txt"), "--metrics.run_dir", str(run),
+        "--checkpoint.resume", "auto", timeout=120,
+    )  # fmt: skip
     assert "missing.txt" in error_line(proc)
     assert (run / "config.json").read_text() == earlier
 

@@ -1,4 +1,5 @@
-"""The run-dir lock (hybrid2d/run_dir.py): a flock that dies with its process.
+"""The run dir (hybrid2d/run_dir.py): a flock that dies with its process, and no launch that
+writes over an earlier run.
 
 Every wait here is for an event (a line from a child, a child's exit), never for a time.
 """
@@ -11,6 +12,7 @@ import sys
 import pytest
 
 from hybrid2d import run_dir
+from hybrid2d.config import JobConfig
 from hybrid2d.errors import ConfigError
 from tests.launch import REPO
 
@@ -134,3 +136,49 @@ def test_release_and_acquire_churn_never_admits_two(tmp_path):
         assert p.returncode == 0, err
         assert out.startswith("acquired ")
     assert sum(int(out.split()[1]) for out, _ in outs) > 0
+
+
+def _settings(path, resume: str = "") -> JobConfig:
+    cfg = JobConfig()
+    cfg.metrics.run_dir = str(path)
+    cfg.checkpoint.resume = resume
+    return cfg
+
+
+@pytest.mark.parametrize("left", ["config.json", "summary.json", "tensorboard"])
+def test_a_run_dir_an_earlier_launch_trained_in_is_refused_without_checkpoints(
+    tmp_path, release, left
+):
+    """It was reused silently: config.json and summary.json overwritten, a second TensorBoard
+    file over the same steps. Now one line naming the dir, what it holds and the ways out;
+    the earlier run's files stay as they were."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)  # its checkpoints deleted (or none saved)
+    if left == "tensorboard":
+        (run / left).mkdir()
+    else:
+        (run / left).write_text("{}")
+    with pytest.raises(ConfigError) as e:
+        run_dir.create_run_dir(_settings(run))
+    msg = str(e.value)
+    assert msg.startswith(f"metrics.run_dir={run} holds an earlier run ({left})"), msg
+    assert "another --metrics.run_dir" in msg and "delete" in msg and "\n" not in msg
+    run_dir.release_locks()
+    assert sorted(p.name for p in run.iterdir()) == sorted(["checkpoints", left])
+
+
+def test_a_run_dir_is_taken_when_new_empty_resumed_or_holding_checkpoints(tmp_path, release):
+    """A new or empty dir (a refused launch leaves only its lock, and removes that), and with
+    --checkpoint.resume an earlier run's dir, are taken; one with checkpoints is left to
+    find_resume, whose line names them."""
+    for path in (tmp_path / "new", tmp_path):
+        assert run_dir.create_run_dir(_settings(path)) == str(path)
+        run_dir.release_locks()
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "config.json").write_text("{}")
+    for resume in ("auto", str(tmp_path / "elsewhere")):
+        assert run_dir.create_run_dir(_settings(earlier, resume)) == str(earlier)
+        run_dir.release_locks()
+    (earlier / "checkpoints" / "step-0000002").mkdir(parents=True)
+    assert run_dir.create_run_dir(_settings(earlier)) == str(earlier)
