@@ -232,6 +232,11 @@ def test_memory_report_cli_estimates_and_says_what_fits(tmp_path, capsys):
     assert memory_report.main(["--recipe", "llama-debug", "--mesh", "3x3"]) == 2
     assert "error:" in capsys.readouterr().err
     assert memory_report.main(["--run-dir", str(tmp_path / "no-run")]) == 2  # was a traceback
+    err = capsys.readouterr().err.strip()  # it said "has no config.json"
+    assert err.startswith(f"error: --run-dir {tmp_path / 'no-run'} does not exist"), err
+    assert "\n" not in err
+    (tmp_path / "not-a-run").mkdir()
+    assert memory_report.main(["--run-dir", str(tmp_path / "not-a-run")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --run-dir") and "no config.json" in err and "\n" not in err
 

@@ -15,6 +15,7 @@ first" would do) must see the whole model: that calibrates the measurement in ev
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -289,3 +290,23 @@ def test_default_cap_writes_one_file(capped, tmp_path):
     got = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert sorted(got) == sorted(original)
     assert all(torch.equal(got[n], t) for n, t in original.items())
+
+
+def test_a_run_dir_stands_for_its_latest_checkpoint(capped, tmp_path, capsys):
+    """SRC may be a run dir (its latest checkpoint), as for tools/generate.py and `init_from
+    dcp:`; it was refused as "not a DCP checkpoint directory". A SRC that does not exist says
+    so in one line."""
+    root, original = capped
+    step = tmp_path / "run" / "checkpoints" / "step-0000003"
+    shutil.copytree(root / "dcp", step)
+    (step.parent / "latest").write_text("step-0000003\n")
+    tool = load_tool("convert_dcp_to_hf")
+    capsys.readouterr()
+    assert tool.main([str(tmp_path / "run"), str(tmp_path / "hf"), "--no-progress"]) == 0
+    assert f"exported {step} -> {tmp_path / 'hf'}" in capsys.readouterr().out
+    got = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert sorted(got) == sorted(original)
+    assert all(torch.equal(got[n], t) for n, t in original.items())
+    assert tool.main([str(tmp_path / "nope"), str(tmp_path / "hf2"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "does not exist" in err and "\n" not in err, err

@@ -2,12 +2,14 @@
 
 python tools/convert_dcp_to_hf.py SRC DST [--max-shard-size 5GB] [--dtype bf16]
 
-SRC is a directory from tools/convert_hf_to_dcp.py or a training checkpoint's step directory
-(only its "model" entry is read). DST gets size-capped model-*.safetensors shards with
-model.safetensors.index.json (or one model.safetensors), a config.json that
-transformers.AutoModelForCausalLM.from_pretrained loads, and SRC's tokenizer files. A converted
-SRC's config.json and generation_config.json are the original's; a training checkpoint's get
-the token ids and stops that tools/export_checkpoint.py writes (hybrid2d/checkpoint/hf_tokens.py).
+SRC is a directory from tools/convert_hf_to_dcp.py, a training checkpoint's step directory, or
+a run or checkpoints directory, meaning the checkpoint its `latest` names, as for
+tools/generate.py and `init_from dcp:` (only the "model" entry is read). DST gets size-capped
+model-*.safetensors shards with model.safetensors.index.json (or one model.safetensors), a
+config.json that transformers.AutoModelForCausalLM.from_pretrained loads, and SRC's tokenizer
+files. A converted SRC's config.json and generation_config.json are the original's; a training
+checkpoint's get the token ids and stops that tools/export_checkpoint.py writes
+(hybrid2d/checkpoint/hf_tokens.py).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from hybrid2d.cli import OneLineParser, positive_size
 
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(description=__doc__.splitlines()[0])
-    parser.add_argument("src", help="DCP checkpoint directory")
+    parser.add_argument("src", help="DCP checkpoint directory, or a run / checkpoints directory")
     parser.add_argument("dst", help="new directory for the Hugging Face checkpoint")
     parser.add_argument(
         "--max-shard-size",
@@ -30,13 +32,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
 
+    from hybrid2d.checkpoint import standalone
     from hybrid2d.checkpoint.hf_convert import convert_dcp_to_hf, parse_dtype, run_tool
 
     def work() -> str:
         cap = positive_size(args.max_shard_size, "--max-shard-size")
         dtype = parse_dtype(args.dtype)
-        summary = convert_dcp_to_hf(args.src, args.dst, cap, dtype, progress=not args.no_progress)
-        return summary.lines(f"exported {args.src} -> {args.dst} (Hugging Face safetensors)")
+        src = standalone.locate(args.src)  # an HF directory: read_metadata says it is not DCP
+        summary = convert_dcp_to_hf(
+            str(src.path), args.dst, cap, dtype, progress=not args.no_progress
+        )
+        return summary.lines(f"exported {src.path} -> {args.dst} (Hugging Face safetensors)")
 
     return run_tool(work)
 

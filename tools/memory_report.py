@@ -151,6 +151,11 @@ def run(args, rest: list[str]) -> int:
     measured: list[dict] = []
     run_mesh = None
     if args.run_dir:
+        if not os.path.exists(args.run_dir):
+            raise ConfigError(
+                f"--run-dir {args.run_dir} does not exist: give a run directory that "
+                "recipes/llama.py wrote"
+            )
         if not os.path.isfile(os.path.join(args.run_dir, "config.json")):
             raise ConfigError(
                 f"--run-dir {args.run_dir} has no config.json: give a run directory that "
