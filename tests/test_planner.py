@@ -753,6 +753,7 @@ def test_calibrated_tables_interpolate_in_log_tokens():
         (["--hardware", "/nonexistent/hw.json"], "--hardware /nonexistent/hw.json"),
         (["--gpu", "h100", "--hardware", "x.json"], "give --gpu or --hardware, not both"),
         (["--gpu-memory", "lots"], "--gpu-memory 'lots' is not a size"),
+        (["--gpu-memory", "24"], "--gpu-memory '24' has no unit: say 24GiB (24 x 2^30 bytes)"),
         (["--set", "train.bogus=1"], "unknown setting --train.bogus"),
         (["--headroom", "1.5"], "--headroom 1.5 must be in [0, 1)"),
         (["--validate", "--validate-ranks", "1"], "--validate-ranks '1' is not a list"),

@@ -66,7 +66,9 @@ def parser() -> OneLineParser:
     p.add_argument("--gpus-per-node", type=int, help="default: the profile's (8 for GPUs)")
     p.add_argument("--gpu", help=f"a preset: {', '.join(hwlib.names())} (default h100)")
     p.add_argument("--hardware", help="a profile JSON file (as --calibrate writes)")
-    p.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GiB (default: the profile's)")
+    p.add_argument(
+        "--gpu-memory", help="memory per GPU with its unit: 80GiB or 80GB (default: the profile's)"
+    )
     p.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM, help="kept free (0.10)")
     p.add_argument("--global-batch", type=int, help="samples per step (default: the recipe's)")
     p.add_argument("--seq-len", type=int, help="tokens per sample (default: the recipe's)")
