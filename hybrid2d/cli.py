@@ -34,7 +34,7 @@ from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec
 
 from hybrid2d import config
 from hybrid2d.errors import ConfigError
-from hybrid2d.sizes import parse_size
+from hybrid2d.sizes import parse_size, unit_of
 
 # ---- settings: tyro over JobConfig ------------------------------------------------------------
 
@@ -246,9 +246,11 @@ class OneLineParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def positive_size(text: str, flag: str) -> int:
+def positive_size(text: str, flag: str, bare_bytes: bool = False) -> int:
     """Bytes that `text`, given to `flag` (e.g. '--device-memory'), names; a ConfigError naming
-    the flag when it is no size, or a negative or zero one."""
+    the flag when it is no size, a negative or zero one, or a number without a unit ('24' was
+    read as 24 bytes where 24GiB was meant). `bare_bytes`: a flag documented to take bytes as a
+    bare number, as Hugging Face's max_shard_size does."""
     body = text.strip()
     negative = body.startswith("-")
     try:
@@ -258,6 +260,11 @@ def positive_size(text: str, flag: str) -> int:
         raise
     if negative or value < 1:
         raise ConfigError(f"{flag}: {text!r} is not a positive size (e.g. 80GiB, 80GB)")
+    if not bare_bytes and unit_of(body) == "":
+        raise ConfigError(
+            f"{flag} {text!r} has no unit: say {body}GiB ({body} x 2^30 bytes) or {body}GB "
+            f"({body} x 10^9)"
+        )
     return value
 
 

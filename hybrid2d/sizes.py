@@ -4,7 +4,9 @@ The one size parser of the project (safetensors shard caps, --device-memory, ...
 units are powers of 1000 and binary units powers of 1024, as the SI/IEC names say and as
 Hugging Face's `max_shard_size` reads them: 80GB is 80 x 10^9 bytes, 80GiB is 80 x 2^30.
 Units are case-insensitive; a bare number (or a trailing B) is bytes. Unit-less letters such
-as '80G' are refused because they are read both ways in the wild.
+as '80G' are refused because they are read both ways in the wild. The tools' size flags refuse
+a bare number (`cli.positive_size`: '--gpu-memory 24' means 24GiB to a person, not 24 bytes)
+unless their help says bytes (--max-shard-size, as Hugging Face's max_shard_size).
 """
 
 from __future__ import annotations
@@ -29,6 +31,13 @@ UNITS = {
 
 _SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", re.IGNORECASE)
 _EXAMPLES = "bytes, or a number with KB/MB/GB/TB (powers of 1000) or KiB/MiB/GiB/TiB (of 1024)"
+
+
+def unit_of(text: str) -> str | None:
+    """The unit a size is written with, lowercased: 'gib' for '80GiB', 'b' for '24B', '' for a
+    bare number; None when `text` is no size."""
+    match = _SIZE.fullmatch(text)
+    return match.group(2).lower() if match else None
 
 
 def parse_size(text: str | int, what: str = "size", minimum: int = 1) -> int:

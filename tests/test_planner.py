@@ -14,6 +14,7 @@ import typing
 import pytest
 
 from hybrid2d import recipes
+from hybrid2d.cli import apply_overrides
 from hybrid2d.config import JobConfig, ModelConfig
 from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
@@ -556,6 +557,26 @@ def test_best_plan_fits_and_says_when_nothing_does():
         best_plan(recipes.get("llama3.1-70b"), 8, 8, tiny)
 
 
+def test_fixed_settings_keep_their_values_in_every_candidate():
+    """A planned setting the user set (tools/plan.py --set parallel.tp=4) is searched with, not
+    ranked over and then appended to another plan's flags."""
+    cfg = recipes.get("llama-debug")  # global batch 8
+    cfg.parallel.tp, cfg.parallel.activation_checkpoint = 4, "full"
+    fixed = {"parallel.tp", "parallel.activation_checkpoint"}
+    result = plan(cfg, 8, 8, hardware.get("h100"), fixed=fixed)
+    assert {(c.tp, c.activation_checkpoint) for c in result.candidates} == {(4, "full")}
+    assert {(c.dp_replicate, c.dp_shard) for c in result.candidates} == {(1, 2), (2, 1)}
+    assert not result.rejected
+    # Set in the recipe but not fixed: the search chooses, as parallel.plan=auto does.
+    assert {c.tp for c in plan(cfg, 8, 8, hardware.get("h100")).candidates} == {1, 2, 4}
+    cfg.parallel.dp_shard, cfg.train.micro_batch = -1, 2  # -1: what the others leave
+    result = plan(cfg, 8, 8, hardware.get("h100"), fixed={"parallel.dp_shard", "train.micro_batch"})
+    assert {c.micro_batch for c in result.candidates} == {2}
+    assert {c.tp for c in result.candidates} == {2, 4}  # tp 1: dp 8, 1 sequence per rank
+    reasons = {(r.dp_replicate, r.dp_shard, r.tp): r.reason for r in result.rejected}
+    assert "train.micro_batch=2 does not divide the per-rank batch 1" in reasons[(1, 8, 1)]
+
+
 def test_more_memory_pressure_is_reported_and_ranked_last():
     cfg = recipes.get("llama3.1-8b")
     result = plan(cfg, 8, 8, hardware.get("a100-80gb"))
@@ -753,6 +774,7 @@ def test_calibrated_tables_interpolate_in_log_tokens():
         (["--hardware", "/nonexistent/hw.json"], "--hardware /nonexistent/hw.json"),
         (["--gpu", "h100", "--hardware", "x.json"], "give --gpu or --hardware, not both"),
         (["--gpu-memory", "lots"], "--gpu-memory 'lots' is not a size"),
+        (["--gpu-memory", "24"], "--gpu-memory '24' has no unit: say 24GiB (24 x 2^30 bytes)"),
         (["--set", "train.bogus=1"], "unknown setting --train.bogus"),
         (["--headroom", "1.5"], "--headroom 1.5 must be in [0, 1)"),
         (["--validate", "--validate-ranks", "1"], "--validate-ranks '1' is not a list"),
@@ -790,13 +812,95 @@ def test_output_files_that_cannot_be_written_are_one_line_before_the_work(tmp_pa
 
 
 def test_no_valid_mesh_says_why_rather_than_nothing_fits(capsys):
-    """3 GPUs split neither 32 heads nor a batch of 64: the planner says so (exit 0, nothing
-    to launch), not that memory ran out."""
+    """3 GPUs split neither 32 heads nor a batch of 64: the planner says so (exit 5, nothing
+    to launch; it exited 0, so a script could not tell), not that memory ran out."""
     plan_tool = load_tool("plan")
     argv = ["--recipe", "llama3.1-8b", "--nodes", "1", "--gpus-per-node", "3", "--gpu", "h100"]
-    assert plan_tool.main(argv) == 0
+    assert plan_tool.main(argv) == plan_tool.NO_VALID_PLAN == 5
     out = capsys.readouterr().out
     assert "no valid plan: " in out and "nothing fits" not in out, out
+
+
+def test_nothing_fits_exits_6_and_writes_no_config(tmp_path, capsys):
+    """70B on one 80 GB GPU: valid plans, none fits (it exited 0, or 1 with a config asked)."""
+    plan_tool = load_tool("plan")
+    config = tmp_path / "plan.yaml"
+    argv = ["--recipe", "llama3.1-70b", "--nodes", "1", "--gpus-per-node", "1", "--gpu", "h100"]
+    assert plan_tool.main(argv) == plan_tool.NOTHING_FITS == 6
+    out, err = capsys.readouterr()
+    assert out.strip().splitlines()[-1].startswith("nothing fits: ") and not err
+    assert plan_tool.main([*argv, "--emit-accelerate-config", str(config)]) == 6
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: no plan fits, so no accelerate config was written"]
+    assert not config.exists()
+
+
+@pytest.mark.parametrize("emit", [False, True])
+def test_set_planned_settings_are_searched_and_launched_as_set(tmp_path, capsys, emit):
+    """--set parallel.tp=4 on 8 devices ranked every plan and printed the best (tp=1) as
+    `--parallel.tp 1 ... --parallel.tp 4`; --set parallel.activation_checkpoint=full priced none
+    and appended full. Now every candidate has the set values, and the flags (and the
+    accelerate config) run the plan that was priced, each setting once."""
+    plan_tool = load_tool("plan")
+    config = tmp_path / "plan.yaml"
+    argv = ["--recipe", "llama-debug", "--nodes", "1", "--gpus-per-node", "8", "--gpu", "h100"]
+    argv += [
+        "--top",
+        "100",
+        "--set",
+        "parallel.tp=4",
+        "--set",
+        "parallel.activation_checkpoint=full",
+    ]
+    argv += ["--set", "train.steps=5"]
+    if emit:
+        argv += ["--emit-accelerate-config", str(config)]
+    assert plan_tool.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "candidates with parallel.activation_checkpoint=full parallel.tp=4 (" in out
+    rows = [line.split(" | ") for line in out.splitlines() if re.match(r"\| \d+ \|", line)]
+    assert rows and {(row[1].rsplit("x", 1)[1], row[2]) for row in rows} == {("4", "full")}
+    flags = next(ln for ln in out.splitlines() if ln.startswith("flags: "))[7:].split()
+    names = flags[::2]
+    assert len(names) == len(set(names)), flags
+    given = dict(zip(names, flags[1::2], strict=True))
+    assert given["--parallel.tp"] == "4" and given["--parallel.activation_checkpoint"] == "full"
+    assert given["--train.steps"] == "5"
+    # The trainer's own check of the flags on 8 ranks: the layout that was priced.
+    job = recipes.get("llama-debug")
+    apply_overrides(job, flags[2:])
+    layout = RunLayout.build(job, 8)
+    assert (layout.tp, layout.activation_checkpoint) == (4, "full")
+    if emit:
+        command = out.split("with:\n", 1)[1]
+        assert command.count("--parallel.tp ") == 1 and " ".join(flags) in command
+        assert "parallelism_config_tp_size: 4" in config.read_text()
+
+
+def test_a_set_value_that_leaves_no_plan_says_what_would_work(tmp_path, capsys):
+    """One line naming the setting and the values that give a plan; exit 5 (no valid plan) or
+    6 (nothing fits), and no accelerate config."""
+    plan_tool = load_tool("plan")
+    config = tmp_path / "plan.yaml"
+    argv = ["--recipe", "llama-debug", "--nodes", "1", "--gpus-per-node", "8", "--gpu", "h100"]
+    code = plan_tool.main(
+        [*argv, "--set", "parallel.tp=3", "--emit-accelerate-config", str(config)]
+    )
+    out, err = capsys.readouterr()
+    assert code == 5 and not config.exists()
+    assert out.strip().splitlines()[-1] == (
+        "no valid plan with parallel.tp=3: parallel.tp 1, 2 or 4 would be valid "
+        "(every mesh: --show-rejected)"
+    )
+    assert err.strip() == "error: no plan is valid, so no accelerate config was written"
+    # 8B on 8 x 22 GiB: only with checkpointing (none peaks above 24 GiB per rank).
+    big = ["--recipe", "llama3.1-8b", "--nodes", "1", "--gpus-per-node", "8", "--gpu-memory"]
+    assert plan_tool.main([*big, "22GiB", "--set", "parallel.activation_checkpoint=none"]) == 6
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith(
+        "nothing fits with parallel.activation_checkpoint=none: parallel.activation_checkpoint full"
+    ), last
+    assert last.endswith(" would fit (use more GPUs, a smaller --seq-len, or more memory)"), last
 
 
 def test_table_meshes_are_rep_x_shard_x_tp_and_the_size_is_readable(capsys):

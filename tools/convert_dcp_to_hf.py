@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     from hybrid2d.checkpoint.hf_convert import convert_dcp_to_hf, parse_dtype, run_tool
 
     def work() -> str:
-        cap = positive_size(args.max_shard_size, "--max-shard-size")
+        cap = positive_size(args.max_shard_size, "--max-shard-size", bare_bytes=True)
         dtype = parse_dtype(args.dtype)
         src = standalone.locate(args.src)  # an HF directory: read_metadata says it is not DCP
         summary = convert_dcp_to_hf(

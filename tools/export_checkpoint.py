@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--max-shard-size",
         default="",
-        help="split into files of at most this size (5GB = 5e9 bytes, 4GiB = 4 x 2^30)",
+        help="split into files of at most this size (5GB = 5e9 bytes, 4GiB = 4 x 2^30, or bytes)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     def work() -> str:
         dtype = parse_dtype(args.dtype, ("fp32", "bf16"))
         cap = (
-            positive_size(args.max_shard_size, "--max-shard-size")
+            positive_size(args.max_shard_size, "--max-shard-size", bare_bytes=True)
             if args.max_shard_size
             else ONE_FILE
         )

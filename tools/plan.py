@@ -16,6 +16,11 @@ the fastest that fit first. --gpu picks a preset (h100, h200, a100-80gb, b200, c
 candidate of a small model on this machine with alternating runs (as tools/bench.py does) and
 writes predicted against measured into docs/planner.md, beside published GPU measurements.
 --check-run compares a finished run's step time, MFU and peak memory with the prediction.
+--set of a setting the planner chooses (parallel.dp_replicate, dp_shard, tp,
+activation_checkpoint, train.micro_batch) searches only the plans with that value.
+
+Exit codes: 0 a best plan (or the action done), 2 a bad argument, 5 no valid plan (no mesh
+the trainer accepts, or none with the --set values), 6 nothing fits the memory.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from hybrid2d.errors import ConfigError
 from hybrid2d.layout import MESH_DIMS, RunLayout
 from hybrid2d.metrics import flops_per_token
 from hybrid2d.planner import hardware as hwlib
-from hybrid2d.planner.model import DEFAULT_HEADROOM, predict
+from hybrid2d.planner.model import DEFAULT_HEADROOM, PLANNED, predict
 from hybrid2d.planner.search import (
     accelerate_config,
     divisors,
@@ -52,6 +57,9 @@ DOC = os.path.join(REPO, "docs", "planner.md")
 # The validation model: tools/bench.py's default shape (llama-debug's), seq 256, global batch 8.
 VALIDATION_MODEL = dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688, vocab_size=4096)
 VALIDATION_SEQ, VALIDATION_BATCH = 256, 8
+# Exit codes beside 2 (a bad argument), apart from the trainer's 3 (non-finite) and 4 (a
+# collective failed), so that a script can tell why there is nothing to launch.
+NO_VALID_PLAN, NOTHING_FITS = 5, 6
 
 
 def parser() -> OneLineParser:
@@ -66,7 +74,9 @@ def parser() -> OneLineParser:
     p.add_argument("--gpus-per-node", type=int, help="default: the profile's (8 for GPUs)")
     p.add_argument("--gpu", help=f"a preset: {', '.join(hwlib.names())} (default h100)")
     p.add_argument("--hardware", help="a profile JSON file (as --calibrate writes)")
-    p.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GiB (default: the profile's)")
+    p.add_argument(
+        "--gpu-memory", help="memory per GPU with its unit: 80GiB or 80GB (default: the profile's)"
+    )
     p.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM, help="kept free (0.10)")
     p.add_argument("--global-batch", type=int, help="samples per step (default: the recipe's)")
     p.add_argument("--seq-len", type=int, help="tokens per sample (default: the recipe's)")
@@ -156,7 +166,9 @@ def load_hardware(args) -> hwlib.Hardware:
     return hw
 
 
-def job_config(args) -> JobConfig:
+def job_config(args) -> tuple[JobConfig, frozenset[str]]:
+    """The recipe with the tool's settings, and the names among them that the planner chooses
+    (PLANNED): the search keeps their values."""
     cfg = recipes.get(args.recipe)
     if args.global_batch is not None:
         cfg.train.global_batch = args.global_batch
@@ -167,11 +179,10 @@ def job_config(args) -> JobConfig:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"--set {item!r} is not SECTION.FIELD=VALUE")
         settings.append("--" + item)
-    apply_overrides(cfg, settings)
-    return cfg
+    return cfg, frozenset(apply_overrides(cfg, settings) & set(PLANNED))
 
 
-def check(args) -> tuple[JobConfig, hwlib.Hardware]:
+def check(args) -> tuple[JobConfig, hwlib.Hardware, frozenset[str]]:
     """Every mistake, found before any work; resolves defaults."""
     modes = [m for m in ("calibrate", "validate", "check_run") if getattr(args, m)]
     if len(modes) > 1:
@@ -216,16 +227,15 @@ def check(args) -> tuple[JobConfig, hwlib.Hardware]:
 
             if not torch.cuda.is_available():
                 raise ConfigError("--device cuda, but no CUDA device is visible; use --device cpu")
-        base = load_hardware(args) if (args.gpu or args.hardware) else None
-        return job_config(args), base
-    if args.validate:
+        hw = load_hardware(args) if (args.gpu or args.hardware) else None
+    elif args.validate:
         hw = hwlib.load(args.hardware) if args.hardware else None
-        return job_config(args), hw
-    hw = load_hardware(args)
-    cfg = job_config(args)
-    if args.gpus_per_node is None:
-        args.gpus_per_node = hw.gpus_per_node
-    return cfg, hw
+    else:
+        hw = load_hardware(args)
+        if args.gpus_per_node is None:
+            args.gpus_per_node = hw.gpus_per_node
+    cfg, fixed = job_config(args)
+    return cfg, hw, fixed
 
 
 def parse_ranks(text: str) -> list[int]:
@@ -241,17 +251,18 @@ def parse_ranks(text: str) -> list[int]:
 # ---- planning --------------------------------------------------------------------------------
 
 
-def run_plan(args, cfg: JobConfig, hw: hwlib.Hardware) -> int:
+def run_plan(args, cfg: JobConfig, hw: hwlib.Hardware, fixed: frozenset[str]) -> int:
     world = args.nodes * args.gpus_per_node
     started = time.process_time()
-    result = plan(cfg, world, args.gpus_per_node, hw, args.headroom)
+    result = plan(cfg, world, args.gpus_per_node, hw, args.headroom, fixed=fixed)
     took = time.process_time() - started
     fits = sum(c.fits for c in result.candidates)
+    kept = f" with {set_values(cfg, fixed)}" if fixed else ""
     print(
         f"{cfg.recipe} ({param_count(cfg.model.num_params())}) on {args.nodes} node(s) x "
         f"{args.gpus_per_node} {hw.name} = {world} devices, {hw.memory_bytes / 2**30:.0f} GiB "
         f"each ({args.headroom:.0%} kept free); global batch {cfg.train.global_batch}, seq "
-        f"{cfg.train.seq_len}: {len(result.candidates)} candidates ({fits} fit), "
+        f"{cfg.train.seq_len}: {len(result.candidates)} candidates{kept} ({fits} fit), "
         f"{len(result.rejected)} meshes rejected; planned in {took:.2f} s"
     )
     print(format_table(result, args.top, args.show_rejected))
@@ -260,16 +271,11 @@ def run_plan(args, cfg: JobConfig, hw: hwlib.Hardware) -> int:
             json.dump([c.to_dict() for c in result.candidates], f, indent=1)
     best = result.best
     if best is None:
-        if result.candidates:
-            said, short = "nothing fits: use more GPUs, a smaller --seq-len, or more memory", "fits"
-        else:  # no mesh is valid at all: say why (the first reason), not that memory ran out
-            why = result.rejected[0].reason if result.rejected else "no mesh"
-            said, short = f"no valid plan: {why} (every mesh: --show-rejected)", "is valid"
-        print(f"\n{said}", flush=True)
+        print(f"\n{no_plan(args, cfg, hw, fixed, result)}", flush=True)
         if args.emit_accelerate_config:
+            short = "fits" if result.candidates else "is valid"
             print(f"error: no plan {short}, so no accelerate config was written", file=sys.stderr)
-            return 1
-        return 0
+        return NOTHING_FITS if result.candidates else NO_VALID_PLAN
     flags = launch_flags(best, cfg, args)
     print(
         f"\nbest: {mesh_label(best)} (dp_replicate={best.dp_replicate} dp_shard={best.dp_shard} "
@@ -300,16 +306,67 @@ def run_plan(args, cfg: JobConfig, hw: hwlib.Hardware) -> int:
     return 0
 
 
+def no_plan(args, cfg: JobConfig, hw: hwlib.Hardware, fixed: frozenset[str], result) -> str:
+    """The line that says why there is no best plan; with --set values of planned settings,
+    which of them rule every plan out and the values that would not."""
+    if result.candidates:  # valid plans, none of which fits
+        said, hint = "nothing fits", "use more GPUs, a smaller --seq-len, or more memory"
+    else:
+        said, hint = "no valid plan", "every mesh: --show-rejected"
+    others = other_values(args, cfg, hw, fixed, result)
+    if others:
+        return f"{said} with {set_values(cfg, fixed)}: {others} ({hint})"
+    if result.candidates:
+        return f"{said}: {hint}"
+    # no mesh is valid at all: say why (the first reason), not that memory ran out
+    if result.rejected:
+        why = result.rejected[0].reason
+    else:  # the set values leave no mesh of this world
+        why = f"no mesh of {result.world} devices has {set_values(cfg, fixed)}"
+    return f"{said}: {why} ({hint})"
+
+
+def other_values(args, cfg: JobConfig, hw: hwlib.Hardware, fixed: frozenset[str], result) -> str:
+    """For each set planned setting, the values that give a valid plan (one that fits, when
+    `result` has valid ones) with the other set values kept: 'parallel.tp 1, 2 or 4 would be
+    valid'; "" when freeing no single one of them helps."""
+    fitting = bool(result.candidates)
+    said = []
+    for name in sorted(fixed):
+        field = name.split(".")[1]
+        wider = plan(cfg, result.world, args.gpus_per_node, hw, args.headroom, fixed=fixed - {name})
+        values = sorted({getattr(c, field) for c in wider.candidates if c.fits or not fitting})
+        if values:
+            listed = ", ".join(map(str, values[:-1])) + " or " * (len(values) > 1) + str(values[-1])
+            said.append(f"{name} {listed} would {'fit' if fitting else 'be valid'}")
+    return "; ".join(said)
+
+
+def set_values(cfg: JobConfig, fixed: frozenset[str]) -> str:
+    """The planned settings the search kept, as set: 'parallel.tp=4 train.micro_batch=2'."""
+    values = []
+    for name in sorted(fixed):
+        section, field = name.split(".")
+        values.append(f"{name}={getattr(getattr(cfg, section), field)}")
+    return " ".join(values)
+
+
 def launch_flags(best, cfg: JobConfig, args) -> list[str]:
-    """recipes/llama.py arguments that run the best plan as planned."""
-    flags = ["--recipe", cfg.recipe, *best.flags()]
+    """recipes/llama.py arguments that run the best plan as planned, each setting once: the
+    plan's choices, then the recipe's changes (a --set of a planned setting was searched with,
+    so the plan's value is the one set)."""
+    changed = {}
     if args.global_batch is not None:
-        flags += ["--train.global_batch", str(cfg.train.global_batch)]
+        changed["train.global_batch"] = str(cfg.train.global_batch)
     if args.seq_len is not None:
-        flags += ["--train.seq_len", str(cfg.train.seq_len)]
-    for item in args.set:
+        changed["train.seq_len"] = str(cfg.train.seq_len)
+    for item in args.set:  # a later one wins, as in the settings
         key, value = item.split("=", 1)
-        flags += [f"--{key}", value]
+        changed[key.replace("-", "_")] = value
+    flags = ["--recipe", cfg.recipe, *best.flags()]
+    for key, value in changed.items():
+        if key not in PLANNED:
+            flags += [f"--{key}", value]
     return flags
 
 
@@ -725,7 +782,7 @@ DOC_SKELETON = """# Choosing the mesh: tools/plan.py
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        cfg, hw = check(args)
+        cfg, hw, fixed = check(args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -735,7 +792,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_validate(args, hw)
     if args.check_run:
         return run_check(args, hw)
-    return run_plan(args, cfg, hw)
+    return run_plan(args, cfg, hw, fixed)
 
 
 if __name__ == "__main__":

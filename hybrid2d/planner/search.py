@@ -3,17 +3,20 @@
 Candidates: every (dp_replicate, dp_shard, tp) whose product is the GPU count, x activation
 checkpointing none / selective / full, x micro batch (each divisor of the per-rank batch). A
 mesh the trainer would refuse (tp crossing a node, tp not dividing heads, kv heads, ffn or
-vocab, a batch that does not split) is rejected with the reason, once per mesh.
+vocab, a batch that does not split) is rejected with the reason, once per mesh. A planned
+setting the user fixed (`fixed`: tools/plan.py --set parallel.tp=4) keeps its value in every
+candidate, so the best plan is one the trainer runs with that setting as given.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from hybrid2d.config import JobConfig, ModelConfig
 from hybrid2d.errors import ConfigError
-from hybrid2d.layout import RunLayout, divisors
+from hybrid2d.layout import MESH_DIMS, RunLayout, divisors
 from hybrid2d.planner.hardware import Hardware
 from hybrid2d.planner.model import DEFAULT_HEADROOM, Candidate, group_inside_node, predict_valid
 
@@ -54,36 +57,62 @@ def plan(
     gpus_per_node: int,
     hardware: Hardware,
     headroom: float = DEFAULT_HEADROOM,
-    checkpointing: tuple[str, ...] = CHECKPOINTING,
     model: ModelConfig | None = None,
+    fixed: Collection[str] = (),
 ) -> Plan:
     """Predict every valid candidate; rank fitting ones by step time, then the rest by memory.
-    `model`: the shape to plan for in place of cfg.model's (an init_from checkpoint's)."""
+    `model`: the shape to plan for in place of cfg.model's (an init_from checkpoint's).
+    `fixed`: names from PLANNED whose value in cfg every candidate keeps (the others are the
+    search's to choose)."""
     if world_size < 1 or gpus_per_node < 1:
         raise ConfigError(f"world size {world_size} and GPUs per node {gpus_per_node} must be >= 1")
+    keep = fixed_values(cfg, fixed)
+    modes = (keep["activation_checkpoint"],) if "activation_checkpoint" in keep else CHECKPOINTING
     out: list[Candidate] = []
     rejected: list[Rejected] = []
     for mesh in meshes(world_size):
-        base = mesh_layout(cfg, mesh, gpus_per_node, model)
+        if any(keep.get(dim, size) != size for dim, size in zip(MESH_DIMS, mesh, strict=True)):
+            continue
+        base = mesh_layout(cfg, mesh, gpus_per_node, model, keep.get("micro_batch", 0))
         if isinstance(base, str):
             rejected.append(Rejected(*mesh, base))
             continue
-        for ac in checkpointing:
-            for micro in divisors(base.local_batch):  # valid by construction: not checked again
+        # valid by construction: a fixed micro batch was checked by mesh_layout
+        micros = [base.micro_batch] if "micro_batch" in keep else divisors(base.local_batch)
+        for ac in modes:
+            for micro in micros:
                 layout = dataclasses.replace(base, activation_checkpoint=ac, micro_batch=micro)
                 out.append(predict_valid(cfg, layout, hardware, gpus_per_node, headroom))
     out.sort(key=lambda c: (not c.fits, c.step_s if c.fits else c.peak_gib))
     return Plan(out, rejected, world_size, gpus_per_node, hardware)
 
 
+def fixed_values(cfg: JobConfig, fixed: Collection[str]) -> dict[str, object]:
+    """Candidate field -> cfg's value, for each name of `fixed` (names from PLANNED); dp_shard
+    -1 ('what the world size leaves') fixes nothing."""
+    out: dict[str, object] = {}
+    for name in fixed:
+        section, field = name.split(".")
+        value = getattr(getattr(cfg, section), field)
+        if (field, value) != ("dp_shard", -1):
+            out[field] = value
+    return out
+
+
 def mesh_layout(
-    cfg: JobConfig, mesh: tuple[int, int, int], gpus_per_node: int, model: ModelConfig | None
+    cfg: JobConfig,
+    mesh: tuple[int, int, int],
+    gpus_per_node: int,
+    model: ModelConfig | None,
+    micro_batch: int = 0,
 ) -> RunLayout | str:
-    """cfg laid out on this mesh, or why the trainer cannot run it there."""
+    """cfg laid out on this mesh, or why the trainer cannot run it there. `micro_batch`: a fixed
+    one, which the mesh's per-rank batch must split into; 0 (the whole per-rank batch) for a
+    search that chooses it, so that it is not the mesh's problem."""
     if not group_inside_node(mesh[2], gpus_per_node):
         return f"tp={mesh[2]} crosses nodes ({gpus_per_node} GPUs per node)"
-    try:  # the micro batch is the search's to choose, not the mesh's problem
-        return RunLayout.on_mesh(cfg, mesh, micro_batch=0, model=model)
+    try:
+        return RunLayout.on_mesh(cfg, mesh, micro_batch=micro_batch, model=model)
     except ConfigError as e:
         return str(e)
 
