@@ -95,3 +95,14 @@ def read_profile(path: str) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"--hardware {path}: expected a JSON object")
     return data
+
+
+def plan_hardware_file(setting: str) -> None:
+    """parallel.plan_hardware, when it names a profile file (not a preset), holds a JSON object
+    (its fields are the planner's to check); the line names the setting as
+    planner.launch.planner_profile does."""
+    if setting.endswith(".json"):
+        try:
+            read_profile(setting)
+        except ConfigError as e:
+            raise ConfigError(f"parallel.plan_hardware={setting!r}: {e}") from None
