@@ -1,6 +1,7 @@
 """What the launcher (torchrun, accelerate launch) tells a process: its rank, the world, and the
 mesh sizes of an accelerate config. Plain Python, so the recipe can check every setting against
-the world before torch is imported (a mistyped size fails in 0.3 s, not 4 s)."""
+the world, and the files settings name, before torch is imported (a mistyped size or a missing
+path fails in 0.3 s, not 4 to 13 s)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,13 @@ import os
 from hybrid2d.config import JobConfig
 from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
+from hybrid2d.paths import (
+    data_source,
+    init_from_dir,
+    plan_hardware_file,
+    resume_dir,
+    tokenizer_file,
+)
 
 # accelerate's --parallelism_config_* flags reach the processes as these variables.
 LAUNCHER_MESH_ENV = {
@@ -74,7 +82,19 @@ def layout_for_world(
 
 def check_before_torch(cfg: JobConfig, set_on_cli: set[str] | frozenset[str]) -> None:
     """Every setting checked against the world, unless the run decides some later: the
-    planner's mesh (parallel.plan auto) or the model's shape from checkpoint.init_from."""
+    planner's mesh (parallel.plan auto) or the model's shape from checkpoint.init_from; and
+    every file a setting names, as far as the file system alone tells (hybrid2d/paths.py), in
+    the order the run meets them."""
+    plan_hardware_file(cfg.parallel.plan_hardware)
+    if cfg.checkpoint.init_from:
+        init_from_dir(cfg.checkpoint.init_from)
     launcher_sizes(set_on_cli)  # a size that is no integer fails here too
     if cfg.parallel.plan != "auto" and not cfg.checkpoint.init_from:
         layout_for_world(cfg, set_on_cli)
+    if cfg.checkpoint.resume not in ("", "auto"):
+        resume_dir(cfg.checkpoint.resume)
+    for value, setting in ((cfg.data.path, "data.path"), (cfg.data.val_path, "data.val_path")):
+        if value:
+            data_source(value, setting)
+    if cfg.data.tokenizer:
+        tokenizer_file(cfg.data.tokenizer)

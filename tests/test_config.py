@@ -11,6 +11,7 @@ from hybrid2d import recipes
 from hybrid2d.cli import apply_overrides
 from hybrid2d.config import JobConfig
 from hybrid2d.errors import ConfigError
+from hybrid2d.launcher import LAUNCHER_MESH_ENV, check_before_torch
 from hybrid2d.layout import RunLayout
 from tests.launch import REPO
 
@@ -79,13 +80,126 @@ def test_bad_setting_is_one_line(args, world, expect):
     assert expect in line
 
 
-def test_mesh_errors_come_before_torch_is_imported():
-    """A size that does not fit the world fails in the recipe, before torch loads (about 4 s
-    of a 4.5 s launch), as settings checked alone do."""
-    proc = run_cli("--parallel.tp", "3", world=4, python_flags=("-X", "importtime"))
-    assert "world size 4" in error_line(proc)
+DATA_HINT = "use a .txt/.jsonl/.parquet file, a directory of them, or '' for the built-in corpus"
+
+
+@pytest.mark.parametrize(
+    "args, world, expect",
+    [
+        (
+            ["--parallel.tp", "3"],
+            4,
+            "world size 4 is not divisible by parallel.dp_replicate x parallel.tp = 1 x 3; "
+            "pick tp among [1, 2, 4]",
+        ),
+        (
+            ["--checkpoint.init_from", "foo:bar"],
+            1,
+            "checkpoint.init_from='foo:bar' is not 'hf:PATH' (a Hugging Face model directory) "
+            "or 'dcp:PATH' (a DCP checkpoint directory)",
+        ),
+        (
+            ["--checkpoint.init_from", "hf:{tmp}/nope"],
+            1,
+            "checkpoint.init_from=hf:{tmp}/nope: {tmp}/nope is not a directory (expected a "
+            "Hugging Face model dir)",
+        ),
+        (
+            ["--checkpoint.init_from", "dcp:{tmp}/bad.json"],
+            1,
+            "checkpoint.init_from=dcp:{tmp}/bad.json: {tmp}/bad.json is not a directory "
+            "(expected a DCP checkpoint directory)",
+        ),
+        (
+            ["--checkpoint.resume", "{tmp}/nope"],
+            1,
+            "--checkpoint.resume='{tmp}/nope': {tmp}/nope does not exist; pass a checkpoint step "
+            "directory (runs/<run>/checkpoints/step-0000100), a run directory, or 'auto'",
+        ),
+        (
+            ["--checkpoint.resume", "{tmp}/bad.json"],
+            1,
+            "--checkpoint.resume='{tmp}/bad.json': {tmp}/bad.json is a file, not a checkpoint "
+            "directory; pass a step directory (runs/<run>/checkpoints/step-0000100) or a run "
+            "directory",
+        ),
+        (
+            ["--data.path", "{tmp}/nope.txt"],
+            1,
+            f"data.path='{{tmp}}/nope.txt' does not exist; {DATA_HINT}",
+        ),
+        (
+            ["--data.path", "{tmp}/bad.json"],
+            1,
+            f"data.path='{{tmp}}/bad.json' has unsupported suffix '.json'; {DATA_HINT}",
+        ),
+        (
+            ["--data.val_path", "{tmp}/nope"],
+            1,
+            f"data.val_path='{{tmp}}/nope' does not exist; {DATA_HINT}",
+        ),
+        (
+            ["--data.tokenizer", "{tmp}"],
+            1,
+            "data.tokenizer='{tmp}': {tmp}/tokenizer.json does not exist; use a tokenizer.json, "
+            "a Hugging Face model directory holding one, or '' to train a BPE",
+        ),
+        (
+            ["--parallel.plan_hardware", "{tmp}/bad.json"],
+            1,
+            "parallel.plan_hardware='{tmp}/bad.json': --hardware {tmp}/bad.json: not JSON "
+            "(Expecting property name enclosed in double quotes, line 1)",
+        ),
+        (
+            ["--parallel.plan_hardware", "{tmp}/nope.json"],
+            1,
+            "parallel.plan_hardware='{tmp}/nope.json': --hardware {tmp}/nope.json: No such file "
+            "or directory",
+        ),
+    ],
+    ids=[
+        "mesh",
+        "init_from-malformed",
+        "init_from-hf-missing",
+        "init_from-dcp-file",
+        "resume-missing",
+        "resume-file",
+        "data-missing",
+        "data-suffix",
+        "val_path-missing",
+        "tokenizer-missing",
+        "plan_hardware-not-json",
+        "plan_hardware-missing",
+    ],
+)
+def test_what_the_command_line_shows_fails_before_torch_is_imported(args, world, expect, tmp_path):
+    """A size that does not fit the world, or a path a setting names that is malformed, missing
+    or unreadable, fails in the recipe with the line the run would print later, before torch
+    loads (4 to 13 s of a launch), as settings checked alone do."""
+    (tmp_path / "bad.json").write_text("{not json")
+    args = [a.format(tmp=tmp_path) for a in args]
+    proc = run_cli(*args, world=world, python_flags=("-X", "importtime"))
+    assert error_line(proc) == "error: " + expect.format(tmp=tmp_path)
     imported = [ln.rsplit("|", 1)[-1].strip() for ln in proc.stderr.splitlines() if "|" in ln]
     assert "hybrid2d.config" in imported and "torch" not in imported
+
+
+def test_paths_that_exist_pass_the_check_before_torch(tmp_path, monkeypatch):
+    """A data directory, a tokenizer's HF directory, resume auto, an init_from directory and a
+    profile file are not refused: the check refuses only what the run would."""
+    for env in ("WORLD_SIZE", *LAUNCHER_MESH_ENV):
+        monkeypatch.delenv(env, raising=False)
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("text")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "profile.json").write_text("{}")  # its fields are the planner's to check
+    cfg = recipes.get("llama-debug")
+    cfg.data.path, cfg.data.val_path = str(tmp_path / "corpus"), str(tmp_path / "corpus" / "a.txt")
+    cfg.data.tokenizer, cfg.checkpoint.resume = str(tmp_path), "auto"
+    cfg.parallel.plan_hardware = str(tmp_path / "profile.json")
+    check_before_torch(cfg, set())
+    cfg.checkpoint.init_from, cfg.checkpoint.resume = f"hf:{tmp_path}", str(tmp_path)
+    check_before_torch(cfg, set())
 
 
 def test_unknown_key_suggests_closest():
@@ -454,32 +568,35 @@ def test_retired_keys_on_the_command_line(capsys, monkeypatch, key):
 
 
 def test_a_refused_launch_leaves_an_earlier_runs_config_json_alone(tmp_path):
-    """A launch into an existing run dir that fails its checks (here: data that does not
-    exist) exits 2 with one line and does not rewrite the earlier run's config.json. Without
-    --checkpoint.resume, an earlier run's dir with no checkpoint is refused first (it was
-    written over)."""
+    """A launch into an existing run dir that fails its checks (here: a data directory without
+    data files, which only the run finds) exits 2 with one line and does not rewrite the earlier
+    run's config.json. Without --checkpoint.resume, an earlier run's dir with no checkpoint is
+    refused first (it was written over)."""
     run = tmp_path / "run"
     run.mkdir()
     earlier = '{"earlier": "run"}'
     (run / "config.json").write_text(earlier)
     line = error_line(run_cli("--metrics.run_dir", str(run), timeout=120))
     assert f"metrics.run_dir={run} holds an earlier run (config.json)" in line, line
+    (tmp_path / "no_data").mkdir()
     proc = run_cli(
-        "--data.path", str(tmp_path / "missing.txt"), "--metrics.run_dir", str(run),
+        "--data.path", str(tmp_path / "no_data"), "--metrics.run_dir", str(run),
         "--checkpoint.resume", "auto", timeout=120,
     )  # fmt: skip
-    assert "missing.txt" in error_line(proc)
+    assert "no_data' is a directory without any" in error_line(proc)
     assert (run / "config.json").read_text() == earlier
 
 
 def test_a_refused_launch_leaves_no_empty_run_dir(tmp_path):
     """A run dir the launch made is removed again when the launch is refused (it held only the
-    lock); its parent, which existed, stays."""
+    lock); its parent, which existed, stays. (Missing data is refused before the run dir is
+    made; a data directory without data files only the run finds.)"""
     run = tmp_path / "runs" / "new"
+    (tmp_path / "no_data").mkdir()
     proc = run_cli(
-        "--data.path", str(tmp_path / "missing.txt"), "--metrics.run_dir", str(run), timeout=120
+        "--data.path", str(tmp_path / "no_data"), "--metrics.run_dir", str(run), timeout=120
     )
-    assert "missing.txt" in error_line(proc)
+    assert "no_data' is a directory without any" in error_line(proc)
     assert not run.exists() and (tmp_path / "runs").is_dir()
 
 

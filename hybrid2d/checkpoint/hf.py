@@ -43,6 +43,7 @@ from hybrid2d.checkpoint.reader import (
 from hybrid2d.config import JobConfig, ModelConfig
 from hybrid2d.errors import ConfigError
 from hybrid2d.models.llama import rope_inv_freq
+from hybrid2d.paths import init_from_dir, split_init_from
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -265,13 +266,12 @@ def last_load_report() -> LoadReport | None:
 
 
 def parse_init_from(spec: str) -> tuple[str, str]:
-    kind, sep, path = spec.partition(":")
-    if not sep or kind not in ("hf", "dcp") or not path:
-        raise CheckpointError(
-            f"checkpoint.init_from={spec!r} is not 'hf:PATH' (a Hugging Face model directory) "
-            "or 'dcp:PATH' (a DCP checkpoint directory)"
-        )
-    path = os.path.expanduser(path)
+    """(kind, the directory to read) of checkpoint.init_from; a malformed value is a
+    CheckpointError, which callers that follow recorded init_from values tell apart."""
+    try:
+        kind, path = split_init_from(spec)
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
     if kind == "dcp" and os.path.isdir(path) and not os.path.isfile(os.path.join(path, METADATA)):
         # A run dir (or its checkpoints/) stands for its latest checkpoint, as for resume.
         path = str(resolve_dir(Path(path), "checkpoint.init_from", spec))
@@ -480,6 +480,7 @@ def source_model(
 def _source_model(
     cfg: JobConfig, set_on_cli: set[str] | frozenset[str]
 ) -> tuple[ModelConfig | None, str]:
+    init_from_dir(cfg.checkpoint.init_from)  # checked before torch loads too (launcher.py)
     kind, path = parse_init_from(cfg.checkpoint.init_from)
     if kind == "hf":
         with HFCheckpoint(path) as ckpt:

@@ -21,6 +21,7 @@ import shutil
 from pathlib import Path
 
 from hybrid2d.errors import ConfigError
+from hybrid2d.paths import resume_dir
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -136,19 +137,7 @@ def apply_retention(run_dir: str | os.PathLike, keep_last: int) -> list[Path]:
 def resolve(setting: str) -> Path:
     """A user's --checkpoint.resume PATH (a step directory, a checkpoints directory or a run
     directory) -> the step directory to load. ConfigError if there is none."""
-    p = Path(setting).expanduser()
-    name = "--checkpoint.resume"
-    if not p.exists():
-        raise ConfigError(
-            f"{name}={setting!r}: {p} does not exist; pass a checkpoint step directory "
-            "(runs/<run>/checkpoints/step-0000100), a run directory, or 'auto'"
-        )
-    if not p.is_dir():
-        raise ConfigError(
-            f"{name}={setting!r}: {p} is a file, not a checkpoint directory; pass a step "
-            "directory (runs/<run>/checkpoints/step-0000100) or a run directory"
-        )
-    return resolve_dir(p, name, setting)
+    return resolve_dir(resume_dir(setting), "--checkpoint.resume", setting)
 
 
 def resolve_dir(p: Path, name: str, setting: str) -> Path:

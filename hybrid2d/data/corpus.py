@@ -19,8 +19,7 @@ from collections.abc import Iterator
 
 from hybrid2d.config import DataConfig
 from hybrid2d.errors import ConfigError
-
-SUFFIXES = (".txt", ".jsonl", ".parquet")
+from hybrid2d.paths import DATA_HINT, SUFFIXES, data_source
 
 # Directory names under the stdlib that hold tests, demos or third-party code rather than the
 # library itself (test data is full of deliberately odd text; site-packages varies by machine).
@@ -50,15 +49,8 @@ def source_files(cfg: DataConfig, setting: str = "data.path") -> list[pathlib.Pa
     cfg.path) saying why there are none."""
     if not cfg.path:
         return default_corpus_files()
-    path = pathlib.Path(cfg.path).expanduser()
-    works = f"use a {'/'.join(SUFFIXES)} file, a directory of them, or '' for the built-in corpus"
-    if not path.exists():
-        raise ConfigError(f"{setting}={cfg.path!r} does not exist; {works}")
+    path = data_source(cfg.path, setting)
     if path.is_file():
-        if path.suffix not in SUFFIXES:
-            raise ConfigError(
-                f"{setting}={cfg.path!r} has unsupported suffix {path.suffix!r}; {works}"
-            )
         return [path]
     # Other files in a data directory (README.md, .gitattributes, ...) are not documents.
     files = sorted(
@@ -71,7 +63,8 @@ def source_files(cfg: DataConfig, setting: str = "data.path") -> list[pathlib.Pa
     )
     if not files:
         raise ConfigError(
-            f"{setting}={cfg.path!r} is a directory without any {'/'.join(SUFFIXES)} files; {works}"
+            f"{setting}={cfg.path!r} is a directory without any {'/'.join(SUFFIXES)} files; "
+            f"{DATA_HINT}"
         )
     return files
 

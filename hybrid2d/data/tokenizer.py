@@ -16,6 +16,7 @@ from hybrid2d.data.cache import atomic_path, cache_key, must_build
 from hybrid2d.data.corpus import corpus_documents, corpus_identity
 from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
+from hybrid2d.paths import tokenizer_file
 
 EOS_TOKEN = "<|endoftext|>"
 # Document separators used by common tokenizer families (GPT-2/NeoX, Llama 1-2/Mistral,
@@ -76,14 +77,7 @@ def train_bpe(docs, vocab_size: int) -> Tokenizer:
 
 
 def _load_user_tokenizer(setting: str) -> Tokenizer:
-    path = pathlib.Path(setting).expanduser()
-    if path.is_dir():
-        path = path / "tokenizer.json"
-    if not path.is_file():
-        raise ConfigError(
-            f"data.tokenizer={setting!r}: {path} does not exist; use a tokenizer.json"
-            ", a Hugging Face model directory holding one, or '' to train a BPE"
-        )
+    path = tokenizer_file(setting)
     try:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # the tokenizers library raises plain Exception on bad files

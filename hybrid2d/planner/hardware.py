@@ -26,6 +26,7 @@ import os
 from dataclasses import dataclass, field
 
 from hybrid2d.errors import ConfigError
+from hybrid2d.paths import read_profile
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
@@ -470,13 +471,4 @@ def get(name: str) -> Hardware:
 
 def load(path: str) -> Hardware:
     """A profile from a JSON file (as `--calibrate --out` writes, or by hand)."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except OSError as e:
-        raise ConfigError(f"--hardware {path}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--hardware {path}: not JSON ({e.msg}, line {e.lineno})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"--hardware {path}: expected a JSON object")
-    return Hardware.from_dict(data, f"--hardware {path}")
+    return Hardware.from_dict(read_profile(path), f"--hardware {path}")
