@@ -21,13 +21,7 @@ import socket
 import time
 from pathlib import Path
 
-from hybrid2d.checkpoint.layout import (
-    LATEST,
-    checkpoints_dir,
-    complete_steps,
-    find_run_to_resume,
-    write_text_atomic,
-)
+from hybrid2d.checkpoint.layout import find_run_to_resume, holds_checkpoint, write_text_atomic
 from hybrid2d.config import JobConfig
 from hybrid2d.errors import ConfigError
 
@@ -154,8 +148,7 @@ def refuse_earlier_run(path: str) -> None:
     """ConfigError if a launch that trains afresh would write over an earlier launch's run
     (its config.json and summary.json replaced, a second TensorBoard file over the same steps).
     A run dir with checkpoints is left to `find_resume`, whose refusal names them."""
-    ckpts = checkpoints_dir(path)
-    if (ckpts / LATEST).is_file() or complete_steps(ckpts):
+    if holds_checkpoint(path):
         return
     found = [name for name in EARLIER_RUN if os.path.exists(os.path.join(path, name))]
     if found:

@@ -165,11 +165,13 @@ def find_run_to_resume(run_dir_template: str, recipe: str) -> str | None:
     template (its {time} as a wildcard) that holds a checkpoint, or None."""
     pattern = run_dir_template.format(recipe=glob.escape(recipe), time="*")
     runs = sorted(glob.glob(pattern), key=lambda p: (os.path.getmtime(p), p), reverse=True)
-    for run in runs:
-        d = checkpoints_dir(run)
-        if (d / LATEST).is_file() or complete_steps(d):
-            return run
-    return None
+    return next((run for run in runs if holds_checkpoint(run)), None)
+
+
+def holds_checkpoint(run_dir: str | os.PathLike) -> bool:
+    """Whether a run directory holds a checkpoint: a `latest` pointer or a complete step."""
+    d = checkpoints_dir(run_dir)
+    return (d / LATEST).is_file() or bool(complete_steps(d))
 
 
 def latest_in_run(run_dir: str | os.PathLike) -> Path | None:
