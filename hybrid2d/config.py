@@ -69,7 +69,8 @@ _BETA = Range(0, 1, hi_open=True)
 
 @dataclass
 class ModelConfig:
-    """Shape of a Llama-family model; field meanings follow HF `LlamaConfig`."""
+    """Shape of a decoder model; field meanings follow HF `LlamaConfig`. From `family` on, the
+    switches by which the other families differ from Llama, each set from a config.json."""
 
     # Model family name (informational).
     name: str = "llama"
@@ -104,16 +105,60 @@ class ModelConfig:
     # Standard deviation of the normal initialization of the weights.
     init_std: Annotated[float, _POSITIVE] = 0.02
 
+    # Architecture family, the HF class it loads from and exports to.
+    family: Literal["llama", "mistral", "qwen2", "qwen3", "gemma3"] = "llama"
+    # Size of one attention head (HF head_dim); 0: dim // n_heads.
+    attn_head_dim: Annotated[int, Range(0, note="0: dim // n_heads")] = 0
+    # Biases on the q, k and v projections (Qwen2 / 2.5).
+    qkv_bias: bool = False
+    # RMSNorm over each query and key head before RoPE (Qwen3, Gemma 3).
+    qk_norm: bool = False
+    # Norms scale by (1 + weight), weights start at 0 (Gemma).
+    norm_plus_one: bool = False
+    # Norms also after attention and after the MLP, before the residual add (Gemma 3).
+    sandwich_norms: bool = False
+    # The MLP's gate activation: silu (Llama, Qwen, Mistral) or gelu_tanh (Gemma).
+    mlp_activation: Literal["silu", "gelu_tanh"] = "silu"
+    # Multiply the token embeddings by sqrt(dim) (Gemma).
+    scale_embeddings: bool = False
+    # Attention scores are scaled by 1/sqrt of this (HF query_pre_attn_scalar); 0: head_dim.
+    attn_scale_base: Annotated[float, Range(0, note="0: head_dim")] = 0.0
+    # Keys a query sees on sliding-window layers, itself included; 0: no sliding window.
+    sliding_window: Annotated[int, Range(0, note="0: none")] = 0
+    # One letter per layer, F full attention or S sliding window (HF layer_types); "" with a
+    # sliding_window: every layer slides (Mistral); "" without: every layer is full.
+    layer_types: str = ""
+    # RoPE base of the sliding-window layers (Gemma 3's rope_local_base_freq); 0: rope_theta.
+    rope_local_theta: Annotated[float, Range(0, note="0: rope_theta")] = 0.0
+    # How rope_scaling_factor scales the (global layers') frequencies: llama3 or linear.
+    rope_scaling_type: Literal["llama3", "linear"] = "llama3"
+
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attn_head_dim or self.dim // self.n_heads
+
+    def layer_window(self, layer: int) -> int:
+        """Keys a query of `layer` may see counting itself (0: all earlier ones)."""
+        if not self.sliding_window:
+            return 0
+        if not self.layer_types:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == "S" else 0
+
+    def layer_rope_theta(self, layer: int) -> float:
+        """RoPE base of `layer`: sliding layers may have their own (Gemma 3)."""
+        if self.layer_window(layer) and self.rope_local_theta:
+            return self.rope_local_theta
+        return self.rope_theta
 
     def num_params(self) -> int:
         """Parameter count (tied embeddings counted once)."""
         hd = self.head_dim
         attn = self.dim * hd * (2 * self.n_heads + 2 * self.n_kv_heads)
+        attn += hd * (self.n_heads + 2 * self.n_kv_heads) if self.qkv_bias else 0
+        attn += 2 * hd if self.qk_norm else 0
         mlp = 3 * self.dim * self.ffn_dim
-        block = attn + mlp + 2 * self.dim
+        block = attn + mlp + (4 if self.sandwich_norms else 2) * self.dim
         emb = self.vocab_size * self.dim
         head = 0 if self.tie_embeddings else emb
         return self.n_layers * block + emb + head + self.dim
@@ -333,6 +378,16 @@ class JobConfig:
                 f"model.rope_high_freq_factor={m.rope_high_freq_factor} must be larger than "
                 f"model.rope_low_freq_factor={m.rope_low_freq_factor} when "
                 f"model.rope_scaling_factor={m.rope_scaling_factor} (llama3 uses 4 and 1)"
+            )
+        if m.layer_types and (len(m.layer_types) != m.n_layers or set(m.layer_types) - {"F", "S"}):
+            raise ConfigError(
+                f"model.layer_types={m.layer_types!r} must be one letter per layer "
+                f"(model.n_layers={m.n_layers}), F (full attention) or S (sliding window)"
+            )
+        if "S" in m.layer_types and not m.sliding_window:
+            raise ConfigError(
+                f"model.layer_types={m.layer_types!r} has sliding layers but "
+                "model.sliding_window=0; set the window size or use only F"
             )
 
 

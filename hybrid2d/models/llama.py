@@ -18,14 +18,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid2d.config import ModelConfig
+from hybrid2d.models.attention import attend, build_mask, document_positions
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies of RoPE, with llama3 frequency scaling when configured."""
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies of RoPE: of the global layers, with their frequency scaling when
+    configured, or (`local`) of the sliding-window layers' own base, unscaled (Gemma 3)."""
     hd = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
-    if not cfg.rope_scaling_factor:
+    theta = cfg.rope_local_theta if local else cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    if local or not cfg.rope_scaling_factor:
         return inv_freq
+    if cfg.rope_scaling_type == "linear":
+        return inv_freq / cfg.rope_scaling_factor
     # llama3: long wavelengths are slowed by `factor`, short ones kept, a smooth ramp between.
     factor = cfg.rope_scaling_factor
     low_wavelen = cfg.rope_original_max_position / cfg.rope_low_freq_factor
@@ -85,12 +90,10 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None):
         bsz, seq, _ = x.shape
         q, k, v = self.rotated_qkv(x, cos, sin)
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
-        )
+        out = attend(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -113,8 +116,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -140,25 +143,58 @@ class Llama(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # Not persistent: HF's state dict has no rotary buffer either.
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        if cfg.rope_local_theta:
+            self.register_buffer("inv_freq_local", rope_inv_freq(cfg, True), persistent=False)
 
     def tie_weights(self) -> None:
         """Re-point lm_head at the embedding (after parallelisation replaced either)."""
         if self.cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def rope(self, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = torch.arange(seq_len, device=self.inv_freq.device, dtype=torch.float32)
-        freqs = torch.outer(pos, self.inv_freq.float())
+    def rope(
+        self, positions: torch.Tensor | int, dtype: torch.dtype, local: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for `positions` (an int s: 0..s-1; [s]; or [b, s] -> [b, 1, s, head_dim] to
+        broadcast over heads); `local`: the sliding layers' own RoPE base."""
+        inv_freq = self.inv_freq_local if local else self.inv_freq
+        if isinstance(positions, int):
+            positions = torch.arange(positions, device=inv_freq.device)
+        freqs = positions.float()[..., None] * inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
+        if emb.ndim == 3:
+            emb = emb[:, None]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def layer_inputs(
+        self, seq_len: int, documents: torch.Tensor | None, dtype: torch.dtype
+    ) -> list[tuple]:
+        """(cos, sin, mask) of each layer, built once per kind of layer (window, RoPE base) for
+        the whole sequence: attention always sees all of it, even when h between blocks is a
+        slice of it (sequence parallelism)."""
+        device = self.inv_freq.device
+        if documents is None:
+            positions = torch.arange(seq_len, device=device)
+        else:
+            positions = document_positions(documents.to(device))
+        kinds: dict[tuple[int, bool], tuple] = {}
+        out = []
+        for i in range(self.cfg.n_layers):
+            window = self.cfg.layer_window(i)
+            kind = (window, bool(window and self.cfg.rope_local_theta))
+            if kind not in kinds:
+                cos, sin = self.rope(positions, dtype, local=kind[1])
+                kinds[kind] = (cos, sin, build_mask(documents, window, seq_len, device))
+            out.append(kinds[kind])
+        return out
+
+    def forward(self, tokens: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for `tokens` [b, s]. `documents` [b, s]: the document index of each position
+        of packed rows (attention stays inside a document, positions restart); None: each row
+        is one sequence."""
         h = self.model.embed_tokens(tokens)
-        # RoPE tables for the whole sequence: attention always sees all of it, even when h
-        # between blocks is a slice of it (sequence parallelism).
-        cos, sin = self.rope(tokens.shape[1], h.dtype)
-        for layer in self.model.layers:
-            h = layer(h, cos, sin)
+        inputs = self.layer_inputs(tokens.shape[1], documents, h.dtype)
+        for layer, (cos, sin, mask) in zip(self.model.layers, inputs, strict=True):
+            h = layer(h, cos, sin, mask)
         return self.lm_head(self.model.norm(h))
 
     @torch.no_grad()
@@ -166,6 +202,8 @@ class Llama(nn.Module):
         """Recompute the RoPE table (not in any state dict): after `to_empty`, for a model whose
         parameters are loaded from a checkpoint."""
         self.inv_freq.copy_(rope_inv_freq(self.cfg).to(self.inv_freq.device))
+        if self.cfg.rope_local_theta:
+            self.inv_freq_local.copy_(rope_inv_freq(self.cfg, True).to(self.inv_freq.device))
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
