@@ -50,7 +50,7 @@ def test_kernels_equal_reference(window, with_documents):
     torch.manual_seed(0)
     b, h, kv, s, d = 2, 6, 2, 13, 8
     q, k, v = (torch.randn(b, n, s, d, dtype=torch.float64) for n in (h, kv, kv))
-    docs = torch.tensor([[0] * 5 + [1] * 6 + [2] * 2, [0] * 1 + [1] * 12]) if with_documents else None
+    docs = torch.tensor([[0] * 5 + [1] * 6 + [2] * 2, [0] + [1] * 12]) if with_documents else None
     want = reference(q, k, v, docs, window, scale=0.3)
     mask = build_mask(docs, window, s, q.device)
     if docs is None and not window:
