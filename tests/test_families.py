@@ -17,6 +17,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
 
 from hybrid2d.checkpoint.hf import (  # noqa: E402
     CheckpointError,
@@ -25,6 +26,8 @@ from hybrid2d.checkpoint.hf import (  # noqa: E402
     model_config_from_hf,
 )
 from hybrid2d.checkpoint.hf_convert import convert_dcp_to_hf, convert_hf_to_dcp  # noqa: E402
+from hybrid2d.data.tokenizer import leading_special_ids  # noqa: E402
+from hybrid2d.data.tokens import encode_documents  # noqa: E402
 from hybrid2d.decode import Decoder  # noqa: E402
 from hybrid2d.models.llama import Llama  # noqa: E402
 
@@ -245,3 +248,47 @@ def test_transformers_4_window_and_rope_keys_read_the_same(family):
             "rope_scaling": {"rope_type": "linear", "factor": 2.0},
         }
     assert model_config_from_hf(old) == model_config_from_hf(new)
+
+
+# ---- tokenization: documents start as the family's tokenizer starts a text ------------------
+
+# family -> (BOS its post-processor adds or None, EOS): each family's tokenizer.json in miniature.
+TOKENIZERS = {
+    "llama": ("<|begin_of_text|>", "<|end_of_text|>"),
+    "mistral": ("<s>", "</s>"),
+    "qwen": (None, "<|endoftext|>"),
+    "gemma3": ("<bos>", "<eos>"),
+}
+TEXTS = ["The cat sat on the mat.", "A second document, with digits 12345.", "x"]
+
+
+def family_tokenizer(family: str):
+    bos, eos = TOKENIZERS[family]
+    specials = [t for t in (bos, eos) if t]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(TEXTS * 4, trainer)
+    if bos is None:  # Qwen: the byte-level processor, which adds nothing
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    else:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))]
+        )
+    return tok
+
+
+@pytest.mark.parametrize("family", list(TOKENIZERS))
+def test_documents_start_with_the_bos_transformers_adds(family):
+    tok = family_tokenizer(family)
+    theirs = transformers.PreTrainedTokenizerFast(tokenizer_object=tok)
+    eos = tok.token_to_id(TOKENIZERS[family][1])
+    expected = [i for text in TEXTS for i in [*theirs(text)["input_ids"], eos]]
+    assert encode_documents(iter(TEXTS), tok).tolist() == expected
+    bos = TOKENIZERS[family][0]
+    assert leading_special_ids(tok) == ([] if bos is None else [tok.token_to_id(bos)])
