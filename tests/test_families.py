@@ -11,6 +11,7 @@ config.json we export loading as the same class, greedy generation, and refused 
 import glob
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from hybrid2d.checkpoint.hf import (  # noqa: E402
     model_config_from_hf,
 )
 from hybrid2d.checkpoint.hf_convert import convert_dcp_to_hf, convert_hf_to_dcp  # noqa: E402
+from hybrid2d.checkpoint.standalone import Source, load_model  # noqa: E402
 from hybrid2d.data.tokenizer import leading_special_ids  # noqa: E402
 from hybrid2d.data.tokens import encode_documents  # noqa: E402
 from hybrid2d.decode import Decoder  # noqa: E402
@@ -166,15 +168,23 @@ def test_hf_dcp_hf_is_bit_identical_and_export_loads_as_the_class(saved, family,
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_greedy_generation_equals_hf(saved, family):
     path, hf = saved[family]
-    ours = load_ours(f"hf:{path}", path)
+    ours, _ = load_model(Source(Path(path), "hf"))  # what tools/generate.py runs
     prompt, new = TOKENS[:1, :4], 14  # 18 positions: past every sliding window
     expected = hf.generate(
-        prompt, max_new_tokens=new, do_sample=False, min_new_tokens=new, pad_token_id=0
+        prompt,
+        attention_mask=torch.ones_like(prompt),  # no position is padding, whatever its id
+        max_new_tokens=new,
+        min_new_tokens=new,  # which suppresses EOS, as the loop below does
+        do_sample=False,
+        pad_token_id=0,
     )[0, 4:].tolist()
+    eos = hf.generation_config.eos_token_id
     dec = Decoder(ours, capacity=4 + new)
     got = []
     logits = dec.prefill(prompt)
     for _ in range(new):
+        if eos is not None:
+            logits[..., eos] = float("-inf")
         got.append(int(logits[0, -1].argmax()))
         logits = dec.step(torch.tensor([[got[-1]]]))
     assert got == expected

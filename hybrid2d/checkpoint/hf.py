@@ -435,9 +435,10 @@ def check_model_config(ckpt: ModelConfig, model: ModelConfig, source: str, what:
     bad = config_mismatch(ckpt, model)
     if bad:
         name, hf_key, a, b = bad
+        setting = "attn_head_dim" if name == "head_dim" else name  # the property's setting
         raise CheckpointError(
             f"checkpoint.init_from={source}: {what} {hf_key}={a} but model.{name}={b}; set "
-            f"--model.{name} {a} or use a recipe that matches the checkpoint"
+            f"--model.{setting} {a} or use a recipe that matches the checkpoint"
         )
 
 

@@ -89,7 +89,9 @@ def load_model(src: Source, dtype: torch.dtype = torch.float32) -> tuple[Llama, 
         model = Llama(cfg)
     state = {name: tensor.to(dtype) for name, tensor in _tensors(src, cfg)}
     model.load_state_dict(state, strict=False, assign=True)  # a tied lm_head may be absent
-    model.inv_freq = rope_inv_freq(cfg)
+    model.inv_freq = rope_inv_freq(cfg)  # buffers are in no checkpoint: computed
+    if cfg.rope_local_theta:
+        model.inv_freq_local = rope_inv_freq(cfg, local=True)
     model.tie_weights()
     return model.eval(), cfg
 
