@@ -302,3 +302,21 @@ def test_documents_start_with_the_bos_transformers_adds(family):
     assert encode_documents(iter(TEXTS), tok).tolist() == expected
     bos = TOKENIZERS[family][0]
     assert leading_special_ids(tok) == ([] if bos is None else [tok.token_to_id(bos)])
+
+
+def test_init_weights_starts_norms_and_biases_as_hf_does(saved):
+    """Gemma's (1 + w) norms start at 0, the others at 1; Qwen2's biases at 0 (as HF's
+    `_init_weights`); the projections are random."""
+    for family in ("gemma3", "qwen2"):
+        with open(os.path.join(saved[family][0], "config.json")) as f:
+            cfg = model_config_from_hf(json.load(f))
+        model = Llama(cfg)
+        model.init_weights(seed=3)
+        start = 0.0 if family == "gemma3" else 1.0
+        norms = {n: p for n, p in model.named_parameters() if n.endswith("norm.weight")}
+        assert len(norms) == cfg.n_layers * (6 if family == "gemma3" else 2) + 1
+        assert all(bool((p == start).all()) for p in norms.values())
+        biases = [p for n, p in model.named_parameters() if n.endswith(".bias")]
+        assert len(biases) == (3 * cfg.n_layers if family == "qwen2" else 0)
+        assert all(bool((p == 0).all()) for p in biases)
+        assert model.model.layers[0].self_attn.q_proj.weight.std() > 0.01
