@@ -8,6 +8,7 @@ layer_types mix both kinds and whose local layers have their own RoPE base), lin
 config.json we export loading as the same class, greedy generation, and refused configs.
 """
 
+import dataclasses
 import glob
 import json
 import os
@@ -22,6 +23,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from hybrid2d.checkpoint.hf import (  # noqa: E402
     CheckpointError,
+    check_model_config,
     hf_config_from_model,
     load_pretrained,
     model_config_from_hf,
@@ -320,3 +322,26 @@ def test_init_weights_starts_norms_and_biases_as_hf_does(saved):
         assert len(biases) == (3 * cfg.n_layers if family == "qwen2" else 0)
         assert all(bool((p == 0).all()) for p in biases)
         assert model.model.layers[0].self_attn.q_proj.weight.std() > 0.01
+
+
+def test_gemma3_bf16_logits_equal_hf():
+    """In bf16 too: the embedding scale is rounded to bf16 before the multiply, and the (1 + w)
+    norms compute in fp32 then cast, as HF does."""
+    hf = make_hf("gemma3").to(torch.bfloat16)
+    cfg = model_config_from_hf(hf.config.to_dict() | {"architectures": ["Gemma3ForCausalLM"]})
+    ours = Llama(cfg)
+    ours.load_state_dict(hf.state_dict())
+    ours = ours.to(torch.bfloat16)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(TOKENS), hf(TOKENS).logits, rtol=0, atol=0)
+
+
+def test_a_shape_setting_that_differs_from_the_checkpoint_names_its_setting():
+    cfg = model_config_from_hf(hf_config("qwen3"))
+    other = dataclasses.replace(cfg, attn_head_dim=8)
+    with pytest.raises(CheckpointError, match="config.json head_dim=12 but model.head_dim=8; "
+                       "set --model.attn_head_dim 12"):  # fmt: skip
+        check_model_config(cfg, other, "hf:q", "config.json")
+    gemma = model_config_from_hf(hf_config("gemma3"))
+    with pytest.raises(CheckpointError, match="layer_types=SFS but model.layer_types=SSS"):
+        check_model_config(gemma, dataclasses.replace(gemma, layer_types="SSS"), "hf:g", "x")

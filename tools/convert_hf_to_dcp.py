@@ -1,4 +1,5 @@
-"""Convert a Hugging Face Llama directory (safetensors) into a DCP checkpoint, streaming.
+"""Convert a Hugging Face directory (safetensors) of a supported family into a DCP checkpoint,
+streaming.
 
 python tools/convert_hf_to_dcp.py SRC DST [--dtype bf16]
 

@@ -5,7 +5,7 @@ python tools/export_checkpoint.py CHECKPOINT OUT [--dtype fp32|bf16]
 CHECKPOINT is a DCP step directory (runs/<run>/checkpoints/step-0000100), or a run or checkpoints
 directory, meaning the checkpoint its `latest` names. The checkpoint's files are checked against
 its checksums first. OUT gets model.safetensors (every tensor merged from all ranks' shards),
-a Hugging Face LlamaForCausalLM config.json (transformers loads the directory as is) with
+a Hugging Face config.json of the model's family (transformers loads the directory as is) with
 bos/eos/pad_token_id, a generation_config.json that stops at the chat template's end-of-turn
 token and the end-of-text token (where tools/generate.py stops), hybrid2d_config.json (the run's
 settings), and the run's tokenizer files. The token ids are those of the HF model the run

@@ -6,8 +6,9 @@ python tools/generate.py CHECKPOINT --chat "What is 6 x 7?" [--system "Answer br
 
 CHECKPOINT is a DCP training checkpoint (a step directory, or a run / checkpoints directory for
 its latest checkpoint) or a directory written by tools/export_checkpoint.py (or any Hugging Face
-Llama directory with safetensors). The tokenizer is the tokenizer.json saved with the checkpoint
-unless --tokenizer is given. Temperature 0 is greedy decoding. One process, no GPU needed.
+directory of a supported family with safetensors). The tokenizer is the tokenizer.json saved
+with the checkpoint unless --tokenizer is given. Temperature 0 is greedy decoding. One process,
+no GPU needed.
 The prompt and the new tokens together may be at most the model's max_position_embeddings (from
 the checkpoint's config), checked before the weights are read. The prompt runs once, then each
 new token runs alone against the cached keys and values of the ones before it

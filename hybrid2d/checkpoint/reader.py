@@ -125,7 +125,8 @@ def model_entries(meta: Metadata, path: Path) -> dict[str, TensorStorageMetadata
 
 
 def expected_model_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Full (unsharded) shape of every state-dict tensor of a Llama of this shape; no memory."""
+    """Full (unsharded) shape of every state-dict tensor of a model of this shape and family
+    (the model built on the meta device: no memory)."""
     with torch.device("meta"):
         model = Llama(m)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
