@@ -231,6 +231,9 @@ def hf_config(family: str) -> dict:
          "use_sliding_window": False}, "layer_types has sliding_attention layers but "
          "use_sliding_window is false"),
         ("mistral", {"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+        ("qwen2", {"quantization_config": {"quant_method": "awq", "bits": 4}},
+         "quantization_config is set \\(quant_method 'awq'\\); hybrid2d loads and trains "
+         "unquantized weights"),
         ("mistral", {"attention_dropout": 0.1}, "attention_dropout=0.1 is not supported"),
         ("llama", {"mlp_bias": True}, "mlp_bias=True is not supported for LlamaForCausalLM"),
         ("qwen3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,

@@ -253,6 +253,13 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     ):
         if not isinstance(hf.get(key), int):
             raise CheckpointError(f"{where}: {key} is missing or not an integer")
+    quant = hf.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise CheckpointError(
+            f"{where}: quantization_config is set (quant_method {method!r}); hybrid2d loads and "
+            "trains unquantized weights: use the model's unquantized checkpoint"
+        )
     if family == "gemma3":
         _refuse_unless(hf, where, arch, "hidden_activation", "gelu_pytorch_tanh")
         for key in ("final_logit_softcapping", "attn_logit_softcapping"):
