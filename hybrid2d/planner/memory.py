@@ -53,7 +53,7 @@ from hybrid2d.config import JobConfig, ModelConfig, resolve_mixed_precision
 from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
 from hybrid2d.models.llama import Llama
-from hybrid2d.parallel.tensor_parallel import llama_tp_plan
+from hybrid2d.parallel.tensor_parallel import tp_plan
 
 GiB = 2**30
 
@@ -64,6 +64,7 @@ class ParamInfo:
     shape: tuple[int, ...]
     tp_dim: int | None  # the dim split over tp; None: replicated over tp
     unit: int  # FSDP unit: block index, or -1 for the root
+    max_shards: int | None = None  # past this many tp ranks: replicated (kv heads)
 
 
 def model_params(m: ModelConfig) -> list[ParamInfo]:
@@ -77,15 +78,17 @@ def _model_params(key: tuple) -> tuple[ParamInfo, ...]:
     m = ModelConfig(**dict(key))
     with torch.device("meta"):
         model = Llama(m)
-    plan = llama_tp_plan()
+    plan = tp_plan(m)
     out = []
     for name, p in model.named_parameters():
         module_path = name.rsplit(".", 1)[0]
         # The plan's own patterns (`*` for the block index) decide the split, as at run time.
         styles = [st for pattern, st in plan.items() if _matches(module_path, pattern)]
         tp_dim = styles[0].shard_dim if styles else None
+        most = styles[0].max_shards if styles else None
         match = re.match(r"model\.layers\.(\d+)\.", name)
-        out.append(ParamInfo(name, tuple(p.shape), tp_dim, int(match.group(1)) if match else -1))
+        unit = int(match.group(1)) if match else -1
+        out.append(ParamInfo(name, tuple(p.shape), tp_dim, unit, most))
     return tuple(out)
 
 
@@ -95,7 +98,7 @@ def _matches(path: str, pattern: str) -> bool:
 
 
 def tp_local_shape(p: ParamInfo, tp: int) -> tuple[int, ...]:
-    if p.tp_dim is None or tp == 1:
+    if p.tp_dim is None or tp == 1 or (p.max_shards and tp > p.max_shards):
         return p.shape
     shape = list(p.shape)
     shape[p.tp_dim] = math.ceil(shape[p.tp_dim] / tp)  # the config makes these divide
