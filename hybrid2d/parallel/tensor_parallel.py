@@ -1,28 +1,39 @@
-"""Megatron-style tensor parallelism with sequence parallelism for Llama: one plan, as data.
+"""Megatron-style tensor parallelism with sequence parallelism for every family: one plan, as data.
 
-`llama_tp_plan()` maps module paths to styles, and the styles are all the tensor-parallel
+`tp_plan(cfg)` maps module paths to styles, and the styles are all the tensor-parallel
 communication there is. Per block, forward:
 
 - between blocks the residual stream is this rank's slice of the sequence, [b, s/tp, dim];
-  norms run on that slice (`SequenceParallelRMSNorm`, weight replicated, gradient summed over tp);
+  norms run on that slice (`SequenceParallelRMSNorm`, weight replicated, gradient summed over
+  tp): the two of Llama, the four of Gemma 3's sandwich (before and after attention and MLP),
+  Gemma's (1 + w) norms alike;
 - attention and MLP all-gather the sequence on entry (`GatherSequence`; backward
   reduce-scatters the input gradient);
 - q/k/v and gate/up are column-parallel (`ColumnParallelLinear`: this rank's heads / ffn slice,
-  a local matmul, no communication);
+  a local matmul, no communication; a bias (Qwen2) is split with its weight's rows);
+- past the kv heads (tp a multiple of n_kv_heads) k and v are `KVHeadLinear`: whole on every
+  rank, each rank computing the one kv head its query heads use, no forward communication;
+- per-head q/k norms (Qwen3, Gemma 3) run on this rank's heads (`HeadRMSNorm`, weight
+  replicated, gradient summed over tp);
 - o and down are row-parallel (`RowParallelLinear`: a local matmul gives partial sums, a
   reduce-scatter sums them and splits the sequence again; backward all-gathers).
 
 Around the blocks the embedding is vocab-parallel (`VocabParallelEmbedding`: each rank looks up
 the tokens it owns, one reduce-scatter combines and splits the sequence), and the output
 projection gathers the sequence and returns logits sharded on the vocabulary
-(`VocabParallelHead`), which `parallel.loss.cross_entropy` reduces without gathering them. One
-block thus issues 2 all-gathers and 2 reduce-scatters forward, and their mirror images backward,
-plus one all-reduce per norm weight's gradient.
+(`VocabParallelHead`), which `parallel.loss.cross_entropy` reduces without gathering them.
+
+So one block issues 2 all-gathers and 2 reduce-scatters forward, their mirror images backward,
+and in backward one all-reduce over tp for each weight replicated over tp: its norms (2, or 4
+with sandwich norms), the q and k norms, and past the kv heads the k and v weights and biases
+(each rank's gradient fills only its head's rows; the sum adds the ranks sharing a head, once).
+`planner.comm.tp_replicated_grads` counts these.
 
 Weights become DTensors on the tp mesh (so FSDP2 shards them a second time and checkpoints see
-global shapes under HF's names), while the matmuls run on their plain local shards: no DTensor
-dispatch in the hot path. A style changes a module's class to a subclass with the parallel
-forward (as FSDP2 does); parameter names and the model's code stay as they are.
+global shapes under HF's names: shared kv heads are stored once), while the matmuls run on their
+plain local shards: no DTensor dispatch in the hot path. A style changes a module's class to a
+subclass with the parallel forward (as FSDP2 does); parameter names and the model's code stay
+as they are.
 """
 
 from __future__ import annotations
