@@ -4,7 +4,11 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from hybrid2d.checkpoint import layout as ckpt_layout
+from hybrid2d.checkpoint.hf_convert import convert_dcp_to_hf
+from hybrid2d.checkpoint.reader import model_entries, read_metadata
 from hybrid2d.config import ModelConfig
 from tests.launch import check_ok, run_ranks
 from tests.reference import tiny_config, train_single_process
@@ -131,11 +135,22 @@ def family_reference(name: str) -> dict:
     return train_single_process(cfg)
 
 
+# Runs beside the plain ones: compiled blocks under selective checkpointing on (2, 2) (gemma3's
+# tp 2 shares its one kv head) and full checkpointing on (1, 4).
+VARIANTS = {
+    (2, 2): {"gemma3-compiled": ("gemma3", ["--parallel.compile", "true",
+                                             "--parallel.activation_checkpoint", "selective"])},
+    (1, 4): {"qwen3-full-ac": ("qwen3", ["--parallel.activation_checkpoint", "full"])},
+}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def family_runs(tmp_path_factory):
     """One launch per mesh trains every family; the (2, 2) launch also saves each at step 5,
-    and the (1, 4) launch resumes those checkpoints (3 launches in all)."""
+    which the (1, 4) launch resumes, and qwen2's step 5 exported to HF is loaded (`hf:`) on
+    (1, 4), where tp exceeds its kv heads (3 launches in all)."""
     tmp = tmp_path_factory.mktemp("families")
+    exported = tmp / "qwen2-hf"
     got = {}
     for dp, tp in FAMILY_MESHES:
         runs = []
@@ -146,14 +161,23 @@ def family_runs(tmp_path_factory):
             runs.append(run)
             if (dp, tp) == (1, 4):
                 runs.append({**run, "name": f"{name}-resumed", "resume": str(tmp / f"run-{name}")})
+        for variant, (name, settings) in VARIANTS.get((dp, tp), {}).items():
+            runs.append({"name": variant, "model": FAMILIES[name], "settings": settings})
+        if (dp, tp) == (1, 4):
+            hf = {"init_from": f"hf:{exported}", "steps": 0}
+            runs.append({"name": "qwen2-hf", "model": FAMILIES["qwen2"], **hf})
         out = tmp / f"{dp}x{tp}.pt"
-        spec = json.dumps(runs)
-        check_ok(
-            run_ranks(
-                dp * tp, ["tests/workers/parity.py", "families", str(out), str(dp), str(tp), spec]
-            )
-        )
+        args = ["tests/workers/parity.py", "families", str(out), str(dp), str(tp), json.dumps(runs)]
+        check_ok(run_ranks(dp * tp, args, timeout=600))
         got[(dp, tp)] = torch.load(out)
+        if (dp, tp) == (2, 2):
+            step = ckpt_layout.final_dir(tmp / "run-qwen2", 5)
+            convert_dcp_to_hf(str(step), str(exported), progress=False)
+            got["exported"] = load_file(exported / "model.safetensors")
+            gemma = ckpt_layout.final_dir(tmp / "run-gemma3", 5)
+            got["gemma3-saved"] = {
+                n: tuple(t.size) for n, t in model_entries(read_metadata(gemma), str(gemma)).items()
+            }
     return got
 
 
@@ -161,11 +185,41 @@ def family_runs(tmp_path_factory):
 def test_every_family_trains_like_one_process_on_every_mesh(family_runs, name):
     """10 SGD steps with clipping on (2, 2), (1, 4) and (4, 1) equal one process to 1e-5."""
     ref = family_reference(name)
-    for mesh in FAMILY_MESHES:
-        got = family_runs[mesh][name]
+    runs = [(mesh, family_runs[mesh][name]) for mesh in FAMILY_MESHES]
+    runs += [
+        (m, family_runs[m][v])
+        for m, vs in VARIANTS.items()
+        for v, (n, _) in vs.items()
+        if n == name
+    ]
+    for mesh, got in runs:
         assert_matches(got, ref, where=f"mesh {mesh}: ")
         for pname, p in ref["params"].items():
             assert relative(got["params"][pname], p.detach()) <= 1e-5, (mesh, pname)
+
+
+def test_kv_heads_shared_over_tp_are_stored_once_and_load_from_hf(family_runs):
+    """gemma3 saved on (2, 2), where 2 tp ranks share its kv head: the checkpoint holds it once.
+    qwen2 saved on (2, 2) and exported: HF's k/v shapes; loaded with hf: on (1, 4) (2 ranks per
+    kv head), every parameter is the file's tensor."""
+    gemma = ModelConfig(**FAMILIES["gemma3"])
+    saved = family_runs["gemma3-saved"]
+    for proj in ("k_proj", "v_proj"):
+        assert saved[f"model.layers.1.self_attn.{proj}.weight"] == (gemma.head_dim, gemma.dim)
+    m = ModelConfig(**FAMILIES["qwen2"])
+    tensors = family_runs["exported"]
+    kv_rows = m.n_kv_heads * m.head_dim
+    for layer in range(m.n_layers):
+        for proj in ("k_proj", "v_proj"):
+            assert tensors[f"model.layers.{layer}.self_attn.{proj}.weight"].shape == (
+                kv_rows,
+                m.dim,
+            )
+            assert tensors[f"model.layers.{layer}.self_attn.{proj}.bias"].shape == (kv_rows,)
+    loaded = family_runs[(1, 4)]["qwen2-hf"]["params"]
+    assert sorted(loaded) == sorted(tensors)
+    for name, value in loaded.items():
+        assert torch.equal(value, tensors[name]), name
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -4,11 +4,12 @@ usage: parity.py OUT DP TP OPTIMIZER GRAD_CLIP [DP_REPLICATE [--section.key valu
        parity.py families OUT DP TP SPEC_JSON
 
 The second form trains several models in one launch (one process group and DeviceMesh):
-SPEC_JSON is a list of runs {"name", "model": ModelConfig fields, "save": dir, "resume": dir}
-(save and resume optional), each 10 SGD steps with clipping. With "save" the state after
-step 5 is saved as a run directory `dir`; with "resume" the run starts from `dir`'s step 5
-(saved on another mesh) and trains steps 6 to 10. Rank 0 saves {name: {"losses", "norms",
-"params"}}.
+SPEC_JSON is a list of runs {"name", "model": ModelConfig fields, "settings": [--section.key
+value ...], "save": dir, "resume": dir, "init_from": spec, "steps": n} (all but name and model
+optional), each 10 SGD steps with clipping (or `steps`). With "save" the state after step 5 is
+saved as a run directory `dir`; with "resume" the run starts from `dir`'s step 5 (saved on
+another mesh) and trains steps 6 to 10; "init_from" loads the weights (hf:DIR, dcp:DIR). Rank 0
+saves {name: {"losses", "norms", "params"}}.
 """
 
 import dataclasses
@@ -100,7 +101,9 @@ def families():
     for run in runs:
         cfg: JobConfig = tiny_config(optimizer="sgd", grad_clip=0.5)
         cfg.model = ModelConfig(**run["model"])
+        apply_overrides(cfg, run.get("settings", []))
         cfg.parallel.tp, cfg.parallel.dp_shard = tp, dp
+        cfg.checkpoint.init_from = run.get("init_from", "")
         layout = RunLayout.build(cfg, dp * tp)
         # One DeviceMesh for every run: only the layout's model differs.
         mesh = (
@@ -115,7 +118,7 @@ def families():
         per_rank = cfg.train.global_batch // dp
         lo = mesh.dp_rank * per_rank
         for step, (inputs, labels) in enumerate(global_batches(cfg)):
-            if step < first:
+            if step < first or step >= run.get("steps", cfg.train.steps):
                 continue
             r = trainer.train_step([(inputs[lo : lo + per_rank], labels[lo : lo + per_rank])])
             losses.append(r.loss)
