@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from hybrid2d.config import ModelConfig
-from hybrid2d.models.llama import RMSNorm, rms_norm
+from hybrid2d.models.llama import RMSNorm
 from hybrid2d.parallel.activation_checkpoint import mark_output_not_kept
 from hybrid2d.parallel.sequence_comm import (
     gather_sequence,
@@ -146,7 +146,8 @@ class _RowParallelForward:
 class _ReplicatedNormForward:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x is this rank's share (sequence slice or heads): the weight's gradient is partial.
-        return rms_norm(x, _summed_local(self.weight), self.eps)
+        # The norm's own arithmetic (Llama's w * x, Gemma's (1 + w) * x) on the local weight.
+        return self.normalize(x, _summed_local(self.weight))
 
 
 class _VocabParallelEmbeddingForward:
