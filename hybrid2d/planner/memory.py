@@ -16,7 +16,7 @@ attention and MLP see the gathered sequence with their heads / ffn split over tp
 
     2 norms        2 * (N/tp) * dim * (4 + c)     fp32 input (or its fp32 copy) + normed (c)
     attn/mlp in    2 * N * dim * c                the gathered sequence (tp > 1) or norm output
-    q, k, v        N * (heads + 2 kv_heads) * head_dim / tp * c
+    q, k, v        N * (heads / tp + 2 max(kv_heads / tp, 1)) * head_dim * c
     attention out  N * heads * head_dim / tp * c  (+ the logsumexp, fp32)
     MLP            4 * N * ffn / tp * c           gate, silu(gate), up, their product
 
@@ -180,7 +180,8 @@ def estimate(cfg: JobConfig, layout: RunLayout, rank: int = 0, target: str = "cu
     S, D, hd = t.seq_len, m.dim, m.head_dim
     N = b * S
     Nl = N // tp
-    heads, kv, ffn, vocab = m.n_heads // tp, m.n_kv_heads // tp, m.ffn_dim // tp, m.vocab_size
+    heads, ffn, vocab = m.n_heads // tp, m.ffn_dim // tp, m.vocab_size
+    kv = max(m.n_kv_heads // tp, 1)  # past the kv heads a rank computes one (tensor_parallel.py)
     norms = 2 * Nl * D * (4 + c) + 2 * Nl * 4
     gathered = 2 * N * D * c  # the attention's and the MLP's inputs
     qkv = N * (heads + 2 * kv) * hd * c
