@@ -30,11 +30,12 @@ def pad(rows: int, ways: int) -> int:
     return -(-rows // ways) * ways
 
 
-# A Qwen3-like model with Qwen2's biases and a single kv head (so tp = 2 shares it), odd head
-# size: every switch that changes the tensor-parallel collectives.
-QWEN_KV1 = dict(
+# Every switch that changes the tensor-parallel collectives in one model: Qwen2's biases,
+# Qwen3's q/k norms and odd head size, Gemma 3's sandwich (1 + w) norms, and a single kv head
+# (so tp = 2 shares it).
+ALL_SWITCHES_KV1 = dict(
     dim=48, n_layers=2, n_heads=4, n_kv_heads=1, attn_head_dim=14, ffn_dim=100, vocab_size=260,
-    qkv_bias=True, qk_norm=True,
+    qkv_bias=True, qk_norm=True, sandwich_norms=True, norm_plus_one=True,
 )  # fmt: skip
 
 
@@ -59,10 +60,11 @@ def expected(dp: int, tp: int, micro: int, model: dict | None = None) -> dict:
         n = (4 * m.n_layers + 2) * n_micro
         out["tp_all_gather"] = (n, n * tokens * m.dim * F32)
         out["tp_reduce_scatter"] = (n, n * tokens * m.dim * F32)
-        # Loss parallel: 3 all-reduces over [tokens]; each norm weight's gradient (2 per block
-        # and the final norm) is summed over tp, and so are the q/k norms' (per head) and,
-        # when tp ranks share kv heads, the whole k and v weights' and biases'.
-        grads = [m.dim] * (2 * m.n_layers + 1)
+        # Loss parallel: 3 all-reduces over [tokens]; each norm weight's gradient (2 per block,
+        # 4 with sandwich norms, and the final norm) is summed over tp, and so are the q/k
+        # norms' (per head) and, when tp ranks share kv heads, the whole k and v weights' and
+        # biases'.
+        grads = [m.dim] * ((4 if m.sandwich_norms else 2) * m.n_layers + 1)
         if m.qk_norm:
             grads += [hd, hd] * m.n_layers
         if tp > m.n_kv_heads:
@@ -91,6 +93,8 @@ def expected(dp: int, tp: int, micro: int, model: dict | None = None) -> dict:
             block += [(m.n_heads * hd // tp, 1), (kv_rows, 1), (kv_rows, 1)]
         if m.qk_norm:
             block += [(hd, 1), (hd, 1)]
+        if m.sandwich_norms:
+            block += [(m.dim, 1), (m.dim, 1)]
         block_bytes = sum(pad(r, dp) * c for r, c in block) * F32
         heads = 1 if m.tie_embeddings else 2
         root_bytes = (heads * pad(m.vocab_size // tp, dp) * m.dim + pad(m.dim, dp)) * F32
@@ -110,11 +114,17 @@ def expected(dp: int, tp: int, micro: int, model: dict | None = None) -> dict:
     return out
 
 
-CASES = [(2, 2, 0, None), (2, 2, 2, None), (1, 2, 0, None), (2, 1, 0, None), (2, 2, 0, QWEN_KV1)]
+CASES = [
+    (2, 2, 0, None),
+    (2, 2, 2, None),
+    (1, 2, 0, None),
+    (2, 1, 0, None),
+    (2, 2, 0, ALL_SWITCHES_KV1),
+]
 
 
 @pytest.mark.parametrize(
-    "dp,tp,micro,model", CASES, ids=["2x2", "2x2-micro", "1x2", "2x1", "2x2-qwen-kv1"]
+    "dp,tp,micro,model", CASES, ids=["2x2", "2x2-micro", "1x2", "2x1", "2x2-all-switches-kv1"]
 )
 def test_counts_and_bytes_equal_formula(tmp_path, dp, tp, micro, model):
     out = tmp_path / "comm.json"
