@@ -205,29 +205,39 @@ def _dp_shard(world: int, rep: int, shard: int, tp: int) -> int:
     return shard
 
 
+def tp_fits(m: ModelConfig, tp: int) -> bool:
+    """Whether tp ranks can split the model: query heads, ffn and vocabulary evenly, and the
+    kv heads evenly or, past them, each kv head shared by the same number of ranks."""
+    kv = m.n_kv_heads % tp == 0 or tp % m.n_kv_heads == 0
+    return kv and all(v % tp == 0 for v in (m.n_heads, m.ffn_dim, m.vocab_size))
+
+
 def _check_model(m: ModelConfig, tp: int, world: int) -> None:
     """The model's shape on its own and split over tp ranks."""
-    split = (
-        ("model.n_heads", m.n_heads),
-        ("model.n_kv_heads", m.n_kv_heads),
-        ("model.ffn_dim", m.ffn_dim),
-        ("model.vocab_size", m.vocab_size),
-    )
-    for what, value in split:
-        if value % tp:
-            # The sizes that pass every one of these checks and divide the world.
-            fits = [d for d in divisors(world) if all(v % d == 0 for _, v in split)]
-            raise ConfigError(f"parallel.tp={tp} does not divide {what}={value}; use tp in {fits}")
-    if m.dim % m.n_heads:
-        raise ConfigError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
-    if m.head_dim % 2:
-        raise ConfigError(
-            f"model.dim / model.n_heads = {m.dim} / {m.n_heads} = {m.head_dim}, an odd head "
-            "size; RoPE rotates pairs of channels, use an even one"
-        )
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(
             f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}"
+        )
+    if not tp_fits(m, tp):
+        split = (
+            ("model.n_heads", m.n_heads),
+            ("model.ffn_dim", m.ffn_dim),
+            ("model.vocab_size", m.vocab_size),
+        )
+        what = next((f"{k}={v}" for k, v in split if v % tp), None)
+        if what is None:
+            what = f"model.n_kv_heads={m.n_kv_heads} (nor is it a multiple of it)"
+        fits = [d for d in divisors(world) if tp_fits(m, d)]
+        raise ConfigError(f"parallel.tp={tp} does not divide {what}; use tp in {fits}")
+    if not m.attn_head_dim and m.dim % m.n_heads:
+        raise ConfigError(
+            f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; "
+            "set model.attn_head_dim for heads of another size"
+        )
+    if m.head_dim % 2:
+        raise ConfigError(
+            f"model.attn_head_dim or model.dim / model.n_heads gives an odd head size "
+            f"{m.head_dim}; RoPE rotates pairs of channels, use an even one"
         )
 
 

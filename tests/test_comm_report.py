@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from hybrid2d.config import ModelConfig
 from tests.launch import check_ok, run_ranks
 from tests.reference import tiny_config
 
@@ -29,15 +30,28 @@ def pad(rows: int, ways: int) -> int:
     return -(-rows // ways) * ways
 
 
-def expected(dp: int, tp: int, micro: int) -> dict:
+# Every switch that changes the tensor-parallel collectives in one model: Qwen2's biases,
+# Qwen3's q/k norms and odd head size, Gemma 3's sandwich (1 + w) norms, and a single kv head
+# (so tp = 2 shares it).
+ALL_SWITCHES_KV1 = dict(
+    dim=48, n_layers=2, n_heads=4, n_kv_heads=1, attn_head_dim=14, ffn_dim=100, vocab_size=260,
+    qkv_bias=True, qk_norm=True, sandwich_norms=True, norm_plus_one=True,
+)  # fmt: skip
+
+
+def expected(dp: int, tp: int, micro: int, model: dict | None = None) -> dict:
     """{kind: (count, payload bytes)} of one step on rank 0: payload = the full buffer (an
     all-gather's output, a reduce-scatter's input, an all-reduce's tensor), fp32."""
     cfg = tiny_config()
+    if model:
+        cfg.model = ModelConfig(**model)
     m, t = cfg.model, cfg.train
     local = t.global_batch // dp
     n_micro = local // micro if micro else 1
     tokens = (local // n_micro) * t.seq_len  # per micro batch
-    hd = m.dim // m.n_heads
+    hd = m.attn_head_dim or m.dim // m.n_heads
+    # Past the kv heads every tp rank holds the whole k and v (and computes one head).
+    kv_rows = m.n_kv_heads * hd // tp if tp <= m.n_kv_heads else m.n_kv_heads * hd
     out = {}
     if tp > 1:
         # Per micro batch: a block gathers the sequence before attention and before the MLP and
@@ -46,12 +60,19 @@ def expected(dp: int, tp: int, micro: int) -> dict:
         n = (4 * m.n_layers + 2) * n_micro
         out["tp_all_gather"] = (n, n * tokens * m.dim * F32)
         out["tp_reduce_scatter"] = (n, n * tokens * m.dim * F32)
-        # Loss parallel: 3 all-reduces over [tokens]; each norm weight's gradient (2 per block
-        # and the final norm) is summed over tp.
-        norms = 2 * m.n_layers + 1
+        # Loss parallel: 3 all-reduces over [tokens]; each norm weight's gradient (2 per block,
+        # 4 with sandwich norms, and the final norm) is summed over tp, and so are the q/k
+        # norms' (per head) and, when tp ranks share kv heads, the whole k and v weights' and
+        # biases'.
+        grads = [m.dim] * ((4 if m.sandwich_norms else 2) * m.n_layers + 1)
+        if m.qk_norm:
+            grads += [hd, hd] * m.n_layers
+        if tp > m.n_kv_heads:
+            grads += [kv_rows * m.dim] * 2 * m.n_layers
+            grads += [kv_rows] * 2 * m.n_layers if m.qkv_bias else []
         out["tp_all_reduce"] = (
-            (3 + norms) * n_micro,
-            (3 * tokens + norms * m.dim) * F32 * n_micro,
+            (3 + len(grads)) * n_micro,
+            (3 * tokens + sum(grads)) * F32 * n_micro,
         )
     if dp > 1:
         # FSDP units: each block and the root (embedding, final norm, head). Every parameter is
@@ -59,8 +80,8 @@ def expected(dp: int, tp: int, micro: int) -> dict:
         # blocks again except the last (not resharded after forward); one reduce-scatter each.
         block = [
             (m.n_heads * hd // tp, m.dim),  # q
-            (m.n_kv_heads * hd // tp, m.dim),  # k
-            (m.n_kv_heads * hd // tp, m.dim),  # v
+            (kv_rows, m.dim),  # k
+            (kv_rows, m.dim),  # v
             (m.dim, m.n_heads * hd // tp),  # o
             (m.ffn_dim // tp, m.dim),  # gate
             (m.ffn_dim // tp, m.dim),  # up
@@ -68,6 +89,12 @@ def expected(dp: int, tp: int, micro: int) -> dict:
             (m.dim, 1),  # attention norm
             (m.dim, 1),  # mlp norm
         ]
+        if m.qkv_bias:
+            block += [(m.n_heads * hd // tp, 1), (kv_rows, 1), (kv_rows, 1)]
+        if m.qk_norm:
+            block += [(hd, 1), (hd, 1)]
+        if m.sandwich_norms:
+            block += [(m.dim, 1), (m.dim, 1)]
         block_bytes = sum(pad(r, dp) * c for r, c in block) * F32
         heads = 1 if m.tie_embeddings else 2
         root_bytes = (heads * pad(m.vocab_size // tp, dp) * m.dim + pad(m.dim, dp)) * F32
@@ -87,10 +114,22 @@ def expected(dp: int, tp: int, micro: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("dp,tp,micro", [(2, 2, 0), (2, 2, 2), (1, 2, 0), (2, 1, 0)])
-def test_counts_and_bytes_equal_formula(tmp_path, dp, tp, micro):
+CASES = [
+    (2, 2, 0, None),
+    (2, 2, 2, None),
+    (1, 2, 0, None),
+    (2, 1, 0, None),
+    (2, 2, 0, ALL_SWITCHES_KV1),
+]
+
+
+@pytest.mark.parametrize(
+    "dp,tp,micro,model", CASES, ids=["2x2", "2x2-micro", "1x2", "2x1", "2x2-all-switches-kv1"]
+)
+def test_counts_and_bytes_equal_formula(tmp_path, dp, tp, micro, model):
     out = tmp_path / "comm.json"
-    check_ok(run_ranks(dp * tp, ["tests/workers/comm.py", str(out), str(dp), str(tp), str(micro)]))
+    args = ["tests/workers/comm.py", str(out), str(dp), str(tp), str(micro)]
+    check_ok(run_ranks(dp * tp, args + ([json.dumps(model)] if model else [])))
     measured = json.loads(out.read_text())
     # Every collective CommDebugMode saw is one the report knows and filed under its kind.
     unknown = {op: n for op, n in measured["by_op"].items() if op not in OP_KIND}
@@ -99,6 +138,10 @@ def test_counts_and_bytes_equal_formula(tmp_path, dp, tp, micro):
     for op, n in measured["by_op"].items():
         by_kind[OP_KIND[op]] = by_kind.get(OP_KIND[op], 0) + n
     assert by_kind == measured["counts"], measured
-    want = expected(dp, tp, micro)
+    want = expected(dp, tp, micro, model)
     assert measured["counts"] == {k: c for k, (c, _) in want.items()}, (measured, want)
     assert measured["bytes"] == {k: b for k, (_, b) in want.items()}, (measured, want)
+    # The planner's prediction is the same (its scalar all-reduces are priced apart).
+    predicted = measured["analytic"]
+    predicted.pop("scalar_all_reduce")
+    assert predicted == {k: list(v) for k, v in want.items() if k != "scalar_all_reduce"}

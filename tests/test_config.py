@@ -47,16 +47,17 @@ def error_line(proc) -> str:
         (
             [
                 "--parallel.tp",
-                "8",
+                "4",
                 "--model.n_kv_heads",
-                "2",
+                "6",
                 "--model.n_heads",
-                "16",
+                "12",
                 "--model.dim",
-                "512",
+                "384",
             ],
-            8,
-            "model.n_kv_heads",
+            4,
+            "tp=4 does not divide model.n_kv_heads=6 (nor is it a multiple of it); "
+            "use tp in [1, 2]",
         ),
         (["--parallel.tp", "2", "--model.ffn_dim", "689"], 2, "model.ffn_dim"),
         (["--model.dim", "24", "--model.n_heads", "8"], 1, "odd head size"),

@@ -379,6 +379,24 @@ def test_estimate_is_exact_with_uneven_fsdp_shards():
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_estimate_prices_kv_heads_shared_past_tp():
+    """tp 4 over 2 kv heads: each rank stores both heads' k and v (whole on tp, sharded by FSDP)
+    and computes one head. Simulated rank 5 of 2x4 against the estimate."""
+    cfg = recipes.get("llama-debug")
+    cfg.model.n_kv_heads = 2
+    layout = RunLayout.on_mesh(cfg, (1, 2, 4))
+    sim = run_subprocess(cfg, layout, rank=5, target="cpu", timeout=600)["memory"]
+    est = estimate(cfg, layout, 5, "cpu")
+    assert (est.parameters, est.gradients, est.optimizer) == (
+        sim["parameters"],
+        sim["gradients"],
+        sim["optimizer"],
+    )
+    for key in ("activations", "peak"):
+        assert rel(getattr(est, key), sim[key]) <= ESTIMATE_REL, (key, getattr(est, key), sim[key])
+
+
 def test_memory_report_simulates_a_mesh_larger_than_this_machine(tmp_path):
     """The tool's --simulate path end to end, on 16 simulated ranks (the 8B 8x8 command is
     run by hand; README records its time and memory)."""

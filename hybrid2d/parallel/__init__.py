@@ -1,6 +1,6 @@
 """Parallelisation of a meta-device `Llama`, applied from outside in a fixed order.
 
-1. tensor parallelism over tp (`tensor_parallel.llama_tp_plan`: every tp collective),
+1. tensor parallelism over tp (`tensor_parallel.tp_plan`: every tp collective),
 2. activation checkpointing per block, 3. torch.compile per block (full checkpointing goes
 around the compiled block instead, see below), 4. FSDP2 over dp (which must see the TP DTensors
 to shard them a second time).

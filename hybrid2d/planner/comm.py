@@ -39,6 +39,24 @@ def _unit_numel(key: tuple, dp_shard: int, tp: int) -> tuple[int, int]:
     return gathered[0], gathered[-1]
 
 
+def tp_replicated_grads(m: ModelConfig, tp: int) -> tuple[int, int]:
+    """(count, elements) of the gradient all-reduces over tp of one backward: one per weight
+    the TP plan replicates over tp while each rank uses it on its share of the work. Those are
+    the sequence-parallel norms (2 per block, 4 with sandwich norms, and the final norm), the
+    per-head q/k norms, and past the kv heads (tp > n_kv_heads) the k and v weights and
+    biases, whole on every rank, each rank computing one kv head."""
+    norms = 4 if m.sandwich_norms else 2
+    count, numel = norms, norms * m.dim
+    if m.qk_norm:
+        count, numel = count + 2, numel + 2 * m.head_dim
+    if tp > m.n_kv_heads:
+        kv_rows = m.n_kv_heads * m.head_dim
+        count, numel = count + 2, numel + 2 * kv_rows * m.dim
+        if m.qkv_bias:
+            count, numel = count + 2, numel + 2 * kv_rows
+    return count * m.n_layers + 1, numel * m.n_layers + m.dim
+
+
 def analytic_step(
     m: ModelConfig,
     dp: int,
@@ -59,8 +77,8 @@ def analytic_step(
     - fsdp_all_gather: each unit's parameters forward, again in backward for resharded units
       (the last block and the root stay gathered); fsdp_reduce_scatter: each unit's gradients.
     - extras: tp_all_reduce = 3 for loss parallel (max, sum of exp, target logit over [b*s])
-      and one per sequence-parallel norm weight (its gradient is a partial sum over tp);
-      scalar_all_reduce = the global grad norm and the logged loss.
+      and one per weight replicated over tp, whose gradient is a partial sum over tp
+      (`tp_replicated_grads`); scalar_all_reduce = the global grad norm and the logged loss.
     """
     per_micro: dict[str, tuple[int, int]] = {}
     b = local_batch // micro_batches
@@ -68,8 +86,8 @@ def analytic_step(
         n = 4 * m.n_layers + 2
         per_micro["tp_all_gather"] = (n, n * b * seq_len * m.dim * elt)
         per_micro["tp_reduce_scatter"] = per_micro["tp_all_gather"]
-        norms = 2 * m.n_layers + 1
-        per_micro["tp_all_reduce"] = (3 + norms, (3 * b * seq_len + norms * m.dim) * elt)
+        count, numel = tp_replicated_grads(m, tp)
+        per_micro["tp_all_reduce"] = (3 + count, (3 * b * seq_len + numel) * elt)
     if dp > 1:
         block, root = unit_bytes(m, dp, tp, elt)
         regather = (m.n_layers - 1) if reshard_after_forward else 0

@@ -16,7 +16,7 @@ attention and MLP see the gathered sequence with their heads / ffn split over tp
 
     2 norms        2 * (N/tp) * dim * (4 + c)     fp32 input (or its fp32 copy) + normed (c)
     attn/mlp in    2 * N * dim * c                the gathered sequence (tp > 1) or norm output
-    q, k, v        N * (heads + 2 kv_heads) * head_dim / tp * c
+    q, k, v        N * (heads / tp + 2 max(kv_heads / tp, 1)) * head_dim * c
     attention out  N * heads * head_dim / tp * c  (+ the logsumexp, fp32)
     MLP            4 * N * ffn / tp * c           gate, silu(gate), up, their product
 
@@ -53,7 +53,7 @@ from hybrid2d.config import JobConfig, ModelConfig, resolve_mixed_precision
 from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
 from hybrid2d.models.llama import Llama
-from hybrid2d.parallel.tensor_parallel import llama_tp_plan
+from hybrid2d.parallel.tensor_parallel import tp_plan
 
 GiB = 2**30
 
@@ -64,6 +64,7 @@ class ParamInfo:
     shape: tuple[int, ...]
     tp_dim: int | None  # the dim split over tp; None: replicated over tp
     unit: int  # FSDP unit: block index, or -1 for the root
+    max_shards: int | None = None  # past this many tp ranks: replicated (kv heads)
 
 
 def model_params(m: ModelConfig) -> list[ParamInfo]:
@@ -77,15 +78,17 @@ def _model_params(key: tuple) -> tuple[ParamInfo, ...]:
     m = ModelConfig(**dict(key))
     with torch.device("meta"):
         model = Llama(m)
-    plan = llama_tp_plan()
+    plan = tp_plan(m)
     out = []
     for name, p in model.named_parameters():
         module_path = name.rsplit(".", 1)[0]
         # The plan's own patterns (`*` for the block index) decide the split, as at run time.
         styles = [st for pattern, st in plan.items() if _matches(module_path, pattern)]
         tp_dim = styles[0].shard_dim if styles else None
+        most = styles[0].max_shards if styles else None
         match = re.match(r"model\.layers\.(\d+)\.", name)
-        out.append(ParamInfo(name, tuple(p.shape), tp_dim, int(match.group(1)) if match else -1))
+        unit = int(match.group(1)) if match else -1
+        out.append(ParamInfo(name, tuple(p.shape), tp_dim, unit, most))
     return tuple(out)
 
 
@@ -95,7 +98,7 @@ def _matches(path: str, pattern: str) -> bool:
 
 
 def tp_local_shape(p: ParamInfo, tp: int) -> tuple[int, ...]:
-    if p.tp_dim is None or tp == 1:
+    if p.tp_dim is None or tp == 1 or (p.max_shards and tp > p.max_shards):
         return p.shape
     shape = list(p.shape)
     shape[p.tp_dim] = math.ceil(shape[p.tp_dim] / tp)  # the config makes these divide
@@ -177,7 +180,8 @@ def estimate(cfg: JobConfig, layout: RunLayout, rank: int = 0, target: str = "cu
     S, D, hd = t.seq_len, m.dim, m.head_dim
     N = b * S
     Nl = N // tp
-    heads, kv, ffn, vocab = m.n_heads // tp, m.n_kv_heads // tp, m.ffn_dim // tp, m.vocab_size
+    heads, ffn, vocab = m.n_heads // tp, m.ffn_dim // tp, m.vocab_size
+    kv = max(m.n_kv_heads // tp, 1)  # past the kv heads a rank computes one (tensor_parallel.py)
     norms = 2 * Nl * D * (4 + c) + 2 * Nl * 4
     gathered = 2 * N * D * c  # the attention's and the MLP's inputs
     qkv = N * (heads + 2 * kv) * hd * c

@@ -116,7 +116,7 @@ def block_step(
     tp = 1
     if tp_mesh is not None and tp_mesh.size() > 1:
         tp = tp_mesh.size()
-        parallelize_module(layer, tp_mesh, block_tp_plan())
+        parallelize_module(layer, tp_mesh, block_tp_plan(m))
     if dp_mesh is not None:
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=True)
         layer = fully_shard(_Root(layer), mesh=dp_mesh)
