@@ -15,14 +15,24 @@ N = b*s tokens; sequence parallelism splits the residual stream and the norms ov
 attention and MLP see the gathered sequence with their heads / ffn split over tp):
 
     2 norms        2 * (N/tp) * dim * (4 + c)     fp32 input (or its fp32 copy) + normed (c)
+                   (4 with Gemma 3's sandwich norms, after attention and after the MLP)
     attn/mlp in    2 * N * dim * c                the gathered sequence (tp > 1) or norm output
     q, k, v        N * (heads + 2 kv_heads) * head_dim / tp * c
+    q/k norms      N * (heads + kv_heads) * head_dim / tp * (4 + c)   (Qwen3, Gemma 3)
     attention out  N * heads * head_dim / tp * c  (+ the logsumexp, fp32)
-    MLP            4 * N * ffn / tp * c           gate, silu(gate), up, their product
+    MLP            4 * N * ffn / tp * c           gate, act(gate), up, their product
+
+(each norm also keeps its fp32 rstd, 4 bytes a row). When tp exceeds the kv heads, each rank
+holds whole k/v weights (`ParamInfo.heads`) and computes the one kv head its query heads use:
+kv_heads / tp above is then 1 (`kv_heads_per_rank`).
 
 with c the compute bytes (4 fp32, 2 bf16). With activation checkpointing a block keeps only its
 input, (N/tp) * dim * c, and one block's set is rebuilt during its backward. After the last
 block: the final norm, the lm_head input and the logits, N * vocab/tp * 4 bytes in fp32. The
+inputs of every block live from the first block's forward to the last block's backward: token
+ids and labels, the RoPE tables (cos, sin) of each kind of layer, and (CUDA) the block mask of
+each kind that has one (`attention_inputs`). On CPU the dense boolean mask [1, 1, s, s] of such a
+kind lives through the forward only: SDPA saves, per layer, its additive copy (s * s * c). The
 loss adds transients of the logits' size: the peak of cross entropy's backward holds 3 of them
 (log-softmax output, its gradient and nll's gradient), and so does the vocab-parallel loss of
 parallel/loss.py (the fp32 logits, exp, and the softmax it turns in place into the gradient).
@@ -58,12 +68,25 @@ from hybrid2d.parallel.tensor_parallel import llama_tp_plan
 GiB = 2**30
 
 
+# The projections whose split dim holds the key/value heads: when tp exceeds the kv heads, each
+# rank keeps them whole (parallel/tensor_parallel.py replicates each kv head over the ranks whose
+# query heads use it; their gradients are summed over tp).
+KV_PROJECTIONS = ("self_attn.k_proj", "self_attn.v_proj")
+
+
 @dataclass(frozen=True)
 class ParamInfo:
     name: str
     shape: tuple[int, ...]
     tp_dim: int | None  # the dim split over tp; None: replicated over tp
     unit: int  # FSDP unit: block index, or -1 for the root
+    heads: int = 0  # kv heads on tp_dim: a tp above this keeps the tensor whole; 0: no limit
+
+
+def kv_heads_per_rank(m: ModelConfig, tp: int) -> int:
+    """Key/value heads one rank computes: its share, or the one its query heads use when tp
+    exceeds them."""
+    return max(1, m.n_kv_heads // tp)
 
 
 def model_params(m: ModelConfig) -> list[ParamInfo]:
@@ -85,7 +108,9 @@ def _model_params(key: tuple) -> tuple[ParamInfo, ...]:
         styles = [st for pattern, st in plan.items() if _matches(module_path, pattern)]
         tp_dim = styles[0].shard_dim if styles else None
         match = re.match(r"model\.layers\.(\d+)\.", name)
-        out.append(ParamInfo(name, tuple(p.shape), tp_dim, int(match.group(1)) if match else -1))
+        heads = m.n_kv_heads if module_path.endswith(KV_PROJECTIONS) else 0
+        unit = int(match.group(1)) if match else -1
+        out.append(ParamInfo(name, tuple(p.shape), tp_dim, unit, heads))
     return tuple(out)
 
 
@@ -95,7 +120,7 @@ def _matches(path: str, pattern: str) -> bool:
 
 
 def tp_local_shape(p: ParamInfo, tp: int) -> tuple[int, ...]:
-    if p.tp_dim is None or tp == 1:
+    if p.tp_dim is None or tp == 1 or (p.heads and tp > p.heads):
         return p.shape
     shape = list(p.shape)
     shape[p.tp_dim] = math.ceil(shape[p.tp_dim] / tp)  # the config makes these divide
@@ -177,13 +202,17 @@ def estimate(cfg: JobConfig, layout: RunLayout, rank: int = 0, target: str = "cu
     S, D, hd = t.seq_len, m.dim, m.head_dim
     N = b * S
     Nl = N // tp
-    heads, kv, ffn, vocab = m.n_heads // tp, m.n_kv_heads // tp, m.ffn_dim // tp, m.vocab_size
-    norms = 2 * Nl * D * (4 + c) + 2 * Nl * 4
+    heads, kv, ffn, vocab = m.n_heads // tp, kv_heads_per_rank(m, tp), m.ffn_dim // tp, m.vocab_size
+    n_norms = 4 if m.sandwich_norms else 2
+    norms = n_norms * (Nl * D * (4 + c) + Nl * 4)
     gathered = 2 * N * D * c  # the attention's and the MLP's inputs
     qkv = N * (heads + 2 * kv) * hd * c
+    # Per-head q and k norms: the projection's output (fp32) or its fp32 copy, the normed heads
+    # and a rstd per head and token.
+    qk_norms = N * (heads + kv) * (hd * (4 + c) + 4) if m.qk_norm else 0
     attn_out = N * heads * hd * c + b * heads * S * 4
     mlp = 4 * N * ffn * c
-    block = norms + gathered + qkv + attn_out + mlp
+    block = norms + gathered + qkv + qk_norms + attn_out + mlp
     ckpt = Nl * D * c
     if p.compile:
         # torch.compile's partitioner keeps what backward needs and recomputes the rest: the
@@ -212,10 +241,15 @@ def estimate(cfg: JobConfig, layout: RunLayout, rank: int = 0, target: str = "cu
     else:
         kept = block
     recomputes = kept != block
-    blocks_saved = m.n_layers * kept
+    # CPU: SDPA turns a layer's boolean mask into an additive one of the compute dtype and saves
+    # it for backward, one per masked layer (recomputed, not kept, under checkpointing).
+    masked = [bool(m.layer_window(i)) for i in range(m.n_layers)]
+    mask_saved = S * S * c if target == "cpu" else 0
+    blocks_saved = m.n_layers * kept + (sum(masked) * mask_saved if not recomputes else 0)
+    last_block = block + (mask_saved if masked[-1] else 0)
     head = Nl * D * (4 + c) + Nl * 4 + N * D * c
     logits = N * (vocab // tp) * 4
-    inputs = 2 * b * S * 8 + 2 * S * hd * c
+    inputs, forward_masks = attention_inputs(m, b, S, c, target)
     # tp > 1: the vocab-parallel loss's per-token tensors beside the logits' three (row max and
     # its index, sum of exp, target logit, their all-reduced copies, the label masks and
     # offsets): 40 bytes a token, counted on CPU.
@@ -225,10 +259,15 @@ def estimate(cfg: JobConfig, layout: RunLayout, rank: int = 0, target: str = "cu
     # output and its re-layout both exist for a moment).
     head_gather = Nl * D * c + (2 * N * D * c if tp > 1 else 0)
     act = {
-        "end of forward": blocks_saved + Nl * D * (4 + c) + Nl * 4 + head_gather + inputs,
+        "end of forward": blocks_saved
+        + Nl * D * (4 + c)
+        + Nl * 4
+        + head_gather
+        + inputs
+        + forward_masks,
         "loss": blocks_saved + head + 3 * logits + loss_tokens + inputs,
         "last block backward": blocks_saved
-        + (block - kept + ckpt if recomputes else 0)
+        + (last_block - kept + ckpt if recomputes else 0)
         + ffn_grad
         + Nl * D * c
         + N * D * c
@@ -297,6 +336,26 @@ def estimate(cfg: JobConfig, layout: RunLayout, rank: int = 0, target: str = "cu
         micro_batches=n_micro,
         seq_len=S,
     )
+
+
+def attention_inputs(m: ModelConfig, b: int, S: int, c: int, target: str) -> tuple[int, int]:
+    """(bytes held from the first forward to the last backward, bytes held during the forward
+    only) of what every block reads: token ids and labels (int64), and per kind of layer
+    (`Llama.layer_inputs`: its window and RoPE base) the RoPE tables cos and sin [s, head_dim]
+    and its mask (models/attention.py: none for plain causal layers; on CPU a dense bool
+    [1, 1, s, s], which only the forward holds; on CUDA a FlexAttention block mask, int32 block
+    counts and indices over 128-token blocks, for the rows and for the columns)."""
+    kinds = {(w := m.layer_window(i), bool(w and m.rope_local_theta)) for i in range(m.n_layers)}
+    blocks = -(-S // 128)
+    total = 2 * b * S * 8
+    forward = 0
+    for window, _ in kinds:
+        total += 2 * S * m.head_dim * c
+        if window and target == "cpu":
+            forward += S * S
+        elif window:
+            total += 2 * 2 * blocks * (blocks + 1) * 4
+    return total, forward
 
 
 def estimates_per_rank(cfg: JobConfig, layout: RunLayout, target: str = "cuda") -> list[dict]:
