@@ -15,7 +15,8 @@ N = b*s tokens; sequence parallelism splits the residual stream and the norms ov
 attention and MLP see the gathered sequence with their heads / ffn split over tp):
 
     2 norms        2 * (N/tp) * dim * (4 + c)     fp32 input (or its fp32 copy) + normed (c)
-                   (4 with Gemma 3's sandwich norms, after attention and after the MLP)
+                   (4 with Gemma 3's sandwich norms, after attention and after the MLP;
+                   Gemma's (1 + w) norms keep the normed tensor in fp32: 4 + 4)
     attn/mlp in    2 * N * dim * c                the gathered sequence (tp > 1) or norm output
     q, k, v        N * (heads + 2 kv_heads) * head_dim / tp * c
     q/k norms      N * (heads + kv_heads) * head_dim / tp * (4 + c)   (Qwen3, Gemma 3)
@@ -188,7 +189,8 @@ def estimate(cfg: JobConfig, layout: RunLayout, rank: int = 0, target: str = "cu
         unit_gathered[info.unit] = unit_gathered.get(info.unit, 0) + pad * dps * c
         if info.name == "lm_head.weight" or (m.tie_embeddings and "embed_tokens" in info.name):
             lm_head_gathered = pad * dps * c
-    buffers = (m.head_dim // 2) * 4  # inv_freq (fp32, every rank)
+    # inv_freq (fp32, every rank), and inv_freq_local for the sliding layers' own RoPE base
+    buffers = (m.head_dim // 2) * 4 * (2 if m.rope_local_theta else 1)
     parameters = padded * 4 + buffers
     gradients = padded * 4
     optimizer = 0
@@ -204,12 +206,16 @@ def estimate(cfg: JobConfig, layout: RunLayout, rank: int = 0, target: str = "cu
     Nl = N // tp
     heads, kv, ffn, vocab = m.n_heads // tp, kv_heads_per_rank(m, tp), m.ffn_dim // tp, m.vocab_size
     n_norms = 4 if m.sandwich_norms else 2
-    norms = n_norms * (Nl * D * (4 + c) + Nl * 4)
+    # A norm saves its fp32 input (or fp32 copy), the normed tensor and its rstd; Gemma's
+    # (1 + w) norm scales in fp32, so its normed tensor is fp32 and it saves the (1 + w) too.
+    nb = 4 + (4 if m.norm_plus_one else c)
+    offset = 4 if m.norm_plus_one else 0
+    norms = n_norms * (Nl * D * nb + Nl * 4 + D * offset)
     gathered = 2 * N * D * c  # the attention's and the MLP's inputs
     qkv = N * (heads + 2 * kv) * hd * c
     # Per-head q and k norms: the projection's output (fp32) or its fp32 copy, the normed heads
     # and a rstd per head and token.
-    qk_norms = N * (heads + kv) * (hd * (4 + c) + 4) if m.qk_norm else 0
+    qk_norms = N * (heads + kv) * (hd * nb + 4) + 2 * hd * offset if m.qk_norm else 0
     attn_out = N * heads * hd * c + b * heads * S * 4
     mlp = 4 * N * ffn * c
     block = norms + gathered + qkv + qk_norms + attn_out + mlp
@@ -247,7 +253,7 @@ def estimate(cfg: JobConfig, layout: RunLayout, rank: int = 0, target: str = "cu
     mask_saved = S * S * c if target == "cpu" else 0
     blocks_saved = m.n_layers * kept + (sum(masked) * mask_saved if not recomputes else 0)
     last_block = block + (mask_saved if masked[-1] else 0)
-    head = Nl * D * (4 + c) + Nl * 4 + N * D * c
+    head = Nl * D * nb + Nl * 4 + D * offset + N * D * c
     logits = N * (vocab // tp) * 4
     inputs, forward_masks = attention_inputs(m, b, S, c, target)
     # tp > 1: the vocab-parallel loss's per-token tensors beside the logits' three (row max and
@@ -260,7 +266,8 @@ def estimate(cfg: JobConfig, layout: RunLayout, rank: int = 0, target: str = "cu
     head_gather = Nl * D * c + (2 * N * D * c if tp > 1 else 0)
     act = {
         "end of forward": blocks_saved
-        + Nl * D * (4 + c)
+        + Nl * D * nb
+        + D * offset
         + Nl * 4
         + head_gather
         + inputs
