@@ -1,11 +1,13 @@
-"""Incremental decoding with a key/value cache over a plain `Llama`: each new token costs one
-token's forward instead of the whole sequence's.
+"""Incremental decoding with a key/value cache over a plain `Llama` of any family: each new
+token costs one token's forward instead of the whole sequence's.
 
-The model keeps its one forward path; `Decoder` calls the model's own modules (embedding,
-norms, `Attention.rotated_qkv`, o projections, MLPs, head) and RoPE tables (`model.rope`) in the
-same order as `Llama.forward`, keeping each layer's rotated keys and values. `prefill` runs the
-prompt with causal attention, as the model does; `step` then feeds one token, whose query attends
-to every cached key (the newest position sees all earlier ones, so it needs no mask).
+The model keeps its one forward path; `Decoder` calls the model's own pieces (`embed`, norms,
+`Attention.rotated_qkv`, o projections, the block's `attention_out` and `feed_forward`, head),
+RoPE tables (`model.rope`, the local base on layers that have one) and layer kinds
+(`model.layer_kind`) in the same order as `Llama.forward`, keeping each layer's rotated keys and
+values. `prefill` runs the prompt with the model's own mask (causal, and the window on sliding
+layers); `step` then feeds one token, whose query attends to every cached key, or on a sliding
+layer to the last `window` of them: the newest position needs no mask.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hybrid2d.models.attention import attend, build_mask
 from hybrid2d.models.llama import Llama
 
 
@@ -31,8 +34,7 @@ class Decoder:
         self.length = 0  # positions cached
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.cos: torch.Tensor | None = None
-        self.sin: torch.Tensor | None = None
+        self.tables: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}  # local -> (cos, sin)
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -56,19 +58,26 @@ class Decoder:
 
     def _forward(self, tokens: torch.Tensor) -> torch.Tensor:
         m = self.model
-        h = m.model.embed_tokens(tokens)
-        if self.cos is None or self.cos.dtype != h.dtype:
-            # Row p of the table is what Llama.forward uses at position p for any length.
-            self.cos, self.sin = m.rope(self.capacity, h.dtype)
+        h = m.embed(tokens)
         start, seq = self.length, tokens.shape[1]
-        cos, sin = self.cos[start : start + seq], self.sin[start : start + seq]
+        masks = {}  # prefill: one mask per window, as Llama.forward builds them
         for i, layer in enumerate(m.model.layers):
-            h = h + self._attention(i, layer.self_attn, layer.input_layernorm(h), cos, sin)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            window, local = m.layer_kind(i)
+            if local not in self.tables or self.tables[local][0].dtype != h.dtype:
+                # Row p of the table is what Llama.forward uses at position p for any length.
+                self.tables[local] = m.rope(self.capacity, h.dtype, local=local)
+            cos, sin = (t[start : start + seq] for t in self.tables[local])
+            if start == 0 and window not in masks:
+                masks[window] = build_mask(None, window, seq, h.device)
+            x = layer.input_layernorm(h)
+            h = h + layer.attention_out(
+                self._attention(i, layer.self_attn, x, cos, sin, window, masks.get(window))
+            )
+            h = h + layer.feed_forward(h)
         self.length = start + seq
         return m.lm_head(m.model.norm(h))
 
-    def _attention(self, i, attn, x, cos, sin) -> torch.Tensor:
+    def _attention(self, i, attn, x, cos, sin, window: int, mask) -> torch.Tensor:
         bsz, seq, _ = x.shape
         q, k, v = attn.rotated_qkv(x, cos, sin)
         start, end = self.length, self.length + seq
@@ -78,8 +87,12 @@ class Decoder:
             self.values.append(v.new_empty(shape))
         self.keys[i][:, :, start:end] = k
         self.values[i][:, :, start:end] = v
-        keys, values = self.keys[i][:, :, :end], self.values[i][:, :, :end]
-        out = F.scaled_dot_product_attention(
-            q, keys, values, is_causal=start == 0, enable_gqa=q.shape[1] != k.shape[1]
-        )
+        if start == 0:
+            out = attend(q, k, v, mask, attn.scale)
+        else:  # one query at position start: it sees the last `window` keys (all: window 0)
+            first = max(0, end - window) if window else 0
+            keys, values = self.keys[i][:, :, first:end], self.values[i][:, :, first:end]
+            out = F.scaled_dot_product_attention(
+                q, keys, values, scale=attn.scale, enable_gqa=q.shape[1] != k.shape[1]
+            )
         return attn.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))

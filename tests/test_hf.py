@@ -117,9 +117,9 @@ def test_model_config_round_trips_through_transformers(tmp_path):
 @pytest.mark.parametrize(
     "change,message",
     [
-        ({"architectures": ["MistralForCausalLM"]}, "unsupported architecture MistralForCausalLM; "
-         "supported: LlamaForCausalLM"),
-        ({"head_dim": 16}, "head_dim=16 differs from hidden_size/num_attention_heads=8"),
+        ({"architectures": ["MixtralForCausalLM"]}, "unsupported architecture MixtralForCausalLM; "
+         "supported: LlamaForCausalLM, MistralForCausalLM"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported for LlamaForCausalLM"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}},
          "rope type 'yarn' is not supported"),
         ({"attention_bias": True}, "attention_bias=True is not supported"),

@@ -1,4 +1,5 @@
-"""Hugging Face Llama checkpoints: config.json <-> ModelConfig, and loading weights at start-up.
+"""Hugging Face checkpoints of the supported families (Llama, Mistral, Qwen2, Qwen3, Gemma 3
+text): config.json <-> ModelConfig, and loading weights at start-up.
 
 `--checkpoint.init_from hf:PATH` reads a HF model directory straight into the sharded model:
 every rank reads only the bytes of its own shard of each parameter (a TP x FSDP shard is one
@@ -42,32 +43,73 @@ from hybrid2d.checkpoint.reader import (
 )
 from hybrid2d.config import JobConfig, ModelConfig
 from hybrid2d.errors import ConfigError
-from hybrid2d.models.llama import rope_inv_freq
 from hybrid2d.paths import init_from_dir, split_init_from
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+# HF class -> (our family, its config.json model_type). Gemma3ForConditionalGeneration (the
+# vision model) and Mixtral-style MoE models are not here: they are refused by name.
+ARCHITECTURES = {
+    "LlamaForCausalLM": ("llama", "llama"),
+    "MistralForCausalLM": ("mistral", "mistral"),
+    "Qwen2ForCausalLM": ("qwen2", "qwen2"),
+    "Qwen3ForCausalLM": ("qwen3", "qwen3"),
+    "Gemma3ForCausalLM": ("gemma3", "gemma3_text"),
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+ARCHITECTURE_OF = {family: arch for arch, (family, _) in ARCHITECTURES.items()}
+# The switches that follow from the family alone (the rest are read from config.json).
+FAMILY_SWITCHES = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {"qkv_bias": True},
+    "qwen3": {"qk_norm": True},
+    "gemma3": {
+        "qk_norm": True,
+        "norm_plus_one": True,
+        "sandwich_norms": True,
+        "mlp_activation": "gelu_tanh",
+        "scale_embeddings": True,
+    },
+}
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 # HF files of some transformers-4 versions carry these buffers; they are recomputed, not loaded.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# What transformers itself assumes when config.json leaves a key out, where it depends on the
+# family (the class's defaults).
+_DEFAULT_HEAD_DIM = {"qwen3": 128, "gemma3": 256}
+_DEFAULT_TIED = {"gemma3": True}
+_LAYER_TYPES = {"full_attention": "F", "sliding_attention": "S"}
 
 # (ModelConfig field, config.json key) in the order mismatches are reported: shapes first.
 FIELD_TO_HF = (
+    ("family", "architectures"),
     ("dim", "hidden_size"),
     ("n_layers", "num_hidden_layers"),
     ("n_heads", "num_attention_heads"),
     ("n_kv_heads", "num_key_value_heads"),
+    ("head_dim", "head_dim"),
     ("ffn_dim", "intermediate_size"),
     ("vocab_size", "vocab_size"),
     ("tie_embeddings", "tie_word_embeddings"),
+    ("qkv_bias", "architectures (q/k/v biases)"),
+    ("qk_norm", "architectures (q/k norms)"),
+    ("norm_plus_one", "architectures ((1 + w) norms)"),
+    ("sandwich_norms", "architectures (four norms per block)"),
+    ("mlp_activation", "hidden_act"),
+    ("scale_embeddings", "architectures (scaled embeddings)"),
     ("norm_eps", "rms_norm_eps"),
+    ("attn_scale_base", "query_pre_attn_scalar"),
+    ("sliding_window", "sliding_window"),
+    ("layer_types", "layer_types"),
     ("rope_theta", "rope_theta"),
+    ("rope_local_theta", "rope_parameters.sliding_attention.rope_theta"),
     ("rope_scaling_factor", "rope_scaling.factor"),
+    ("rope_scaling_type", "rope_scaling.rope_type"),
     ("rope_low_freq_factor", "rope_scaling.low_freq_factor"),
     ("rope_high_freq_factor", "rope_scaling.high_freq_factor"),
     ("rope_original_max_position", "rope_scaling.original_max_position_embeddings"),
     ("max_position_embeddings", "max_position_embeddings"),
 )
-_ROPE_SCALING_FIELDS = {
+_LLAMA3_FIELDS = {
     "rope_low_freq_factor",
     "rope_high_freq_factor",
     "rope_original_max_position",
@@ -77,42 +119,131 @@ _ROPE_SCALING_FIELDS = {
 # ---- config.json <-> ModelConfig -------------------------------------------------------------
 
 
-def _rope_settings(hf: dict) -> tuple[float, dict | None]:
-    """(rope_theta, scaling dict or None) from either config.json convention.
+def _rope_settings(hf: dict, where: str, layer_type: str = "") -> tuple[float, dict | None]:
+    """(rope_theta, scaling dict or None) from either config.json convention; `layer_type`:
+    Gemma 3's RoPE of that kind of layer.
 
-    transformers 5 writes `rope_parameters` (rope_theta inside); transformers 4 wrote top-level
-    `rope_theta` and `rope_scaling` (with `rope_type`, or `type` in older files).
+    transformers 5 writes `rope_parameters` (rope_theta inside; Gemma 3: one such dict per layer
+    type); transformers 4 wrote top-level `rope_theta` and `rope_scaling` (with `rope_type`, or
+    `type` in older files), and Gemma 3 its local layers' base as `rope_local_base_freq`.
     """
     params = hf.get("rope_parameters")
+    if layer_type:
+        if isinstance(params, dict) and isinstance(params.get(layer_type), dict):
+            own = params[layer_type]
+            return _rope_of(own, own.get("rope_theta"), f"rope_parameters.{layer_type}", where)
+        if layer_type == "sliding_attention":
+            return float(hf.get("rope_local_base_freq", 10000.0)), None
+        return _rope_of(hf.get("rope_scaling"), hf.get("rope_theta", 1e6), "rope_scaling", where)
     if isinstance(params, dict):
-        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-        scaling = params
-    else:
-        theta = hf.get("rope_theta", 10000.0)
-        scaling = hf.get("rope_scaling")
+        theta = params.get("rope_theta", hf.get("rope_theta"))
+        return _rope_of(params, theta, "rope_parameters", where)
+    return _rope_of(hf.get("rope_scaling"), hf.get("rope_theta"), "rope_scaling", where)
+
+
+def _rope_of(scaling: dict | None, theta, key: str, where: str) -> tuple[float, dict | None]:
+    theta = 10000.0 if theta is None else float(theta)
     if not scaling:
-        return float(theta), None
+        return theta, None
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind not in SUPPORTED_ROPE_TYPES:
         raise CheckpointError(
-            f"config.json rope type {kind!r} is not supported; supported: "
+            f"{where}: {key} rope type {kind!r} is not supported; supported: "
             f"{', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    return float(theta), (scaling if kind == "llama3" else None)
+    partial = scaling.get("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        raise CheckpointError(
+            f"{where}: {key}.partial_rotary_factor={partial} is not supported; hybrid2d rotates "
+            "the whole head (1.0)"
+        )
+    return theta, (scaling if kind != "default" else None)
 
 
-def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
-    """ModelConfig for a HF LlamaForCausalLM config.json; anything it cannot represent raises."""
+def _refuse_unless(hf: dict, where: str, arch: str, key: str, supported, default=None) -> None:
+    """A config.json value the model would otherwise silently ignore is an error naming it."""
+    value = hf.get(key, supported if default is None else default)
+    if value != supported:
+        raise CheckpointError(
+            f"{where}: {key}={value!r} is not supported for {arch}; hybrid2d needs {supported!r}"
+        )
+
+
+def _architecture(hf: dict, where: str) -> str:
+    """The one supported HF class config.json names (by `architectures`, else `model_type`)."""
     archs = hf.get("architectures") or []
-    if not archs and hf.get("model_type") == "llama":
-        archs = ["LlamaForCausalLM"]
-    unsupported = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
-    if unsupported or not archs:
+    if not archs:
+        by_type = {model_type: a for a, (_, model_type) in ARCHITECTURES.items()}
+        if hf.get("model_type") in by_type:
+            archs = [by_type[hf["model_type"]]]
+    unsupported = [a for a in archs if a not in ARCHITECTURES]
+    if unsupported or len(archs) != 1:
         name = unsupported[0] if unsupported else f"model_type={hf.get('model_type')!r}"
         raise CheckpointError(
             f"{where}: unsupported architecture {name}; supported: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    arch = archs[0]
+    model_type = ARCHITECTURES[arch][1]
+    if hf.get("model_type", model_type) != model_type:
+        raise CheckpointError(
+            f"{where}: model_type={hf['model_type']!r} does not match architectures {arch} "
+            f"(which has model_type {model_type!r})"
+        )
+    return arch
+
+
+def _windows(hf: dict, where: str, family: str, n_layers: int) -> tuple[int, str]:
+    """(sliding_window, layer_types) of config.json, in ModelConfig's canonical form: window 0
+    when no layer slides, layer_types "" when every layer is of one kind."""
+    if family == "llama":
+        return 0, ""  # LlamaForCausalLM has no sliding window (HF ignores the keys too)
+    window = hf.get("sliding_window")
+    if family == "mistral":
+        if hf.get("layer_types") is not None:
+            raise CheckpointError(
+                f"{where}: layer_types is not read by MistralForCausalLM (transformers ignores "
+                "it); remove it, or convert the model to a class that alternates layer types"
+            )
+        return int(window or 0), ""
+    if family in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+        window = None  # transformers drops the window unless use_sliding_window
+    names = hf.get("layer_types")
+    if names is None:
+        if family == "gemma3":
+            pattern = int(hf.get("sliding_window_pattern", 6))
+            names = [
+                "sliding_attention" if (i + 1) % pattern else "full_attention"
+                for i in range(n_layers)
+            ]
+        else:
+            first = int(hf.get("max_window_layers", 28))
+            names = [
+                "sliding_attention" if window is not None and i >= first else "full_attention"
+                for i in range(n_layers)
+            ]
+    bad = [n for n in names if n not in _LAYER_TYPES]
+    if bad or len(names) != n_layers:
+        raise CheckpointError(
+            f"{where}: layer_types={names!r} must name each of the {n_layers} layers "
+            f"{' or '.join(_LAYER_TYPES)}"
+        )
+    types = "".join(_LAYER_TYPES[n] for n in names)
+    if "S" not in types:
+        return 0, ""
+    if not window:
+        what = "use_sliding_window is false" if family != "gemma3" else f"sliding_window={window}"
+        raise CheckpointError(
+            f"{where}: layer_types has sliding_attention layers but {what}; give the window"
+        )
+    return int(window), "" if set(types) == {"S"} else types
+
+
+def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
+    """ModelConfig for a config.json of a supported architecture; anything it cannot represent
+    (another architecture, a setting the model would ignore) raises, naming it."""
+    arch = _architecture(hf, where)
+    family = ARCHITECTURES[arch][0]
     for key in (
         "hidden_size",
         "num_hidden_layers",
@@ -122,45 +253,75 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     ):
         if not isinstance(hf.get(key), int):
             raise CheckpointError(f"{where}: {key} is missing or not an integer")
-    for key, supported in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
-        value = hf.get(key, supported)
-        if value != supported:
-            raise CheckpointError(
-                f"{where}: {key}={value!r} is not supported; hybrid2d's Llama needs {supported!r}"
-            )
+    if family == "gemma3":
+        _refuse_unless(hf, where, arch, "hidden_activation", "gelu_pytorch_tanh")
+        for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if hf.get(key) is not None:
+                raise CheckpointError(
+                    f"{where}: {key}={hf[key]!r} is not supported for {arch}; hybrid2d needs "
+                    "null (no softcapping)"
+                )
+        _refuse_unless(hf, where, arch, "use_bidirectional_attention", False)
+    else:
+        _refuse_unless(hf, where, arch, "hidden_act", "silu")
+    if family != "qwen2":  # Qwen2's q/k/v always have biases, whatever attention_bias says
+        _refuse_unless(hf, where, arch, "attention_bias", False)
+    _refuse_unless(hf, where, arch, "mlp_bias", False)
+    _refuse_unless(hf, where, arch, "attention_dropout", 0.0)
     dim, heads = hf["hidden_size"], hf["num_attention_heads"]
-    if dim % heads:
-        raise CheckpointError(
-            f"{where}: hidden_size={dim} is not divisible by num_attention_heads={heads}"
-        )
-    head_dim = hf.get("head_dim")
-    if head_dim is not None and head_dim != dim // heads:
-        raise CheckpointError(
-            f"{where}: head_dim={head_dim} differs from hidden_size/num_attention_heads="
-            f"{dim // heads}; hybrid2d's Llama supports only head_dim == hidden_size // "
-            "num_attention_heads"
-        )
-    theta, scaling = _rope_settings(hf)
+    head_dim = hf.get("head_dim") or _DEFAULT_HEAD_DIM.get(family)
+    if head_dim is None:
+        if dim % heads:
+            raise CheckpointError(
+                f"{where}: hidden_size={dim} is not divisible by num_attention_heads={heads} "
+                "and head_dim is not given"
+            )
+        head_dim = dim // heads
+    n_layers = hf["num_hidden_layers"]
+    window, layer_types = _windows(hf, where, family, n_layers)
+    if family == "gemma3":
+        theta, scaling = _rope_settings(hf, where, "full_attention")
+        local_theta, local_scaling = _rope_settings(hf, where, "sliding_attention")
+        if local_scaling is not None:
+            raise CheckpointError(
+                f"{where}: rope_parameters.sliding_attention rope type "
+                f"{local_scaling.get('rope_type')!r} is not supported; the local layers take "
+                "'default'"
+            )
+    else:
+        (theta, scaling), local_theta = _rope_settings(hf, where), 0.0
     cfg = ModelConfig(
+        name=family,
+        family=family,
         dim=dim,
-        n_layers=hf["num_hidden_layers"],
+        n_layers=n_layers,
         n_heads=heads,
         n_kv_heads=hf.get("num_key_value_heads") or heads,
+        attn_head_dim=0 if dim == heads * head_dim else head_dim,
         ffn_dim=hf["intermediate_size"],
         vocab_size=hf["vocab_size"],
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
+        rope_local_theta=local_theta,
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", _DEFAULT_TIED.get(family, False))),
+        sliding_window=window,
+        layer_types=layer_types,
+        attn_scale_base=float(hf.get("query_pre_attn_scalar", 256)) if family == "gemma3" else 0.0,
+        **FAMILY_SWITCHES[family],
     )
     if scaling is not None:
+        cfg.rope_scaling_type = scaling.get("rope_type", scaling.get("type"))
         try:
             cfg.rope_scaling_factor = float(scaling["factor"])
-            cfg.rope_low_freq_factor = float(scaling["low_freq_factor"])
-            cfg.rope_high_freq_factor = float(scaling["high_freq_factor"])
-            cfg.rope_original_max_position = int(scaling["original_max_position_embeddings"])
+            if cfg.rope_scaling_type == "llama3":
+                cfg.rope_low_freq_factor = float(scaling["low_freq_factor"])
+                cfg.rope_high_freq_factor = float(scaling["high_freq_factor"])
+                cfg.rope_original_max_position = int(scaling["original_max_position_embeddings"])
         except KeyError as e:
-            raise CheckpointError(f"{where}: llama3 rope scaling lacks {e.args[0]}") from None
+            raise CheckpointError(
+                f"{where}: {cfg.rope_scaling_type} rope scaling lacks {e.args[0]}"
+            ) from None
     if heads % cfg.n_kv_heads:
         raise CheckpointError(
             f"{where}: num_attention_heads={heads} is not divisible by num_key_value_heads="
@@ -169,31 +330,99 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     return cfg
 
 
+def _rope_dict(cfg: ModelConfig) -> dict:
+    """transformers 5's rope_parameters of the global layers."""
+    if not cfg.rope_scaling_factor:
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    rope = {
+        "rope_type": cfg.rope_scaling_type,
+        "rope_theta": cfg.rope_theta,
+        "factor": cfg.rope_scaling_factor,
+    }
+    if cfg.rope_scaling_type == "llama3":
+        rope |= {
+            "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_position,
+        }
+    return rope
+
+
+def _int_if_whole(x: float) -> int | float:
+    return int(x) if float(x).is_integer() else x
+
+
 def hf_config_from_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
-    """A config.json for LlamaForCausalLM holding every FIELD_TO_HF key. RoPE is written the
-    transformers-4 way (top-level rope_theta / rope_scaling), which transformers 4 and 5 both
-    read."""
-    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "head_dim": cfg.head_dim}
-    scaling = {"rope_type": "llama3"}
-    for name, key in FIELD_TO_HF:
-        if key.startswith("rope_scaling."):
-            scaling[key.removeprefix("rope_scaling.")] = getattr(cfg, name)
-        else:
-            hf[key] = getattr(cfg, name)
-    hf["rope_scaling"] = scaling if cfg.rope_scaling_factor else None
-    return hf | {
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
+    """A config.json transformers loads as the family's class (`AutoModelForCausalLM`), holding
+    every setting the model reads. Llama's RoPE is written the transformers-4 way (top-level
+    rope_theta / rope_scaling), which transformers 4 and 5 both read; the other families' the
+    transformers-5 way (`rope_parameters`)."""
+    arch = ARCHITECTURE_OF[cfg.family]
+    hf = {
+        "architectures": [arch],
+        "model_type": ARCHITECTURES[arch][1],
+        "hidden_size": cfg.dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.ffn_dim,
+        "vocab_size": cfg.vocab_size,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "rms_norm_eps": cfg.norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "attention_dropout": 0.0,
         "initializer_range": cfg.init_std,
         "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    types = [
+        "sliding_attention" if cfg.layer_window(i) else "full_attention"
+        for i in range(cfg.n_layers)
+    ]
+    window = cfg.sliding_window or None
+    if cfg.family == "llama":
+        rope = _rope_dict(cfg)
+        hf["rope_theta"] = rope.pop("rope_theta")
+        hf["rope_scaling"] = rope if cfg.rope_scaling_factor else None
+        return hf | {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
+    if cfg.family == "mistral":
+        return (
+            hf
+            | {"hidden_act": "silu", "rope_parameters": _rope_dict(cfg)}
+            | {"sliding_window": window}
+        )
+    if cfg.family in ("qwen2", "qwen3"):
+        hf |= {
+            "hidden_act": "silu",
+            "rope_parameters": _rope_dict(cfg),
+            "use_sliding_window": window is not None,
+            "sliding_window": window,
+            # transformers reads layer_types; max_window_layers says the same where it can.
+            "max_window_layers": types.index("sliding_attention") if window else cfg.n_layers,
+            "layer_types": types,
+        }
+        return hf | ({"attention_bias": False} if cfg.family == "qwen3" else {})
+    local = {"rope_type": "default", "rope_theta": cfg.rope_local_theta or cfg.rope_theta}
+    return hf | {  # gemma3
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rope_parameters": {"full_attention": _rope_dict(cfg), "sliding_attention": local},
+        # transformers types it int (a published value always is)
+        "query_pre_attn_scalar": _int_if_whole(cfg.attn_scale_base or cfg.head_dim),
+        "sliding_window": window,
+        "layer_types": types,
+        "attention_bias": False,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "use_bidirectional_attention": False,
     }
 
 
 def config_mismatch(ckpt: ModelConfig, model: ModelConfig) -> tuple[str, str, object, object]:
     """The first (field, config.json key, checkpoint value, model value) that differs, or ()."""
     for name, hf_key in FIELD_TO_HF:
-        if name in _ROPE_SCALING_FIELDS and not ckpt.rope_scaling_factor:
+        if name in _LLAMA3_FIELDS and ckpt.rope_scaling_type != "llama3":
+            continue
+        if name in _LLAMA3_FIELDS | {"rope_scaling_type"} and not ckpt.rope_scaling_factor:
             continue
         a, b = getattr(ckpt, name), getattr(model, name)
         same = math.isclose(a, b, rel_tol=1e-9) if isinstance(a, float) else a == b
@@ -239,8 +468,8 @@ def check_tensor_names(
         tied_head = name == "lm_head.weight" and tuple(shape) == want["model.embed_tokens.weight"]
         if name not in want and not tied_head and not name.endswith(IGNORED_SUFFIXES):
             raise CheckpointError(
-                f"{where}: unexpected tensor {name} (shape {list(shape)}) for a Llama with "
-                f"this {what}"
+                f"{where}: unexpected tensor {name} (shape {list(shape)}) for a "
+                f"{ARCHITECTURE_OF[cfg.family]} with this {what}"
             )
     return [name for name in dict.fromkeys([*want, "lm_head.weight"]) if name in found]
 
@@ -317,7 +546,7 @@ def _fill_blocks(model: nn.Module, source: str, start: float, checkpoint_bytes: 
         report.bytes_read += read_into(name, offsets, sizes, local)
         report.tensors += 1
     # Buffers are not in checkpoints (HF has none either): the RoPE table is recomputed.
-    model.inv_freq.copy_(rope_inv_freq(model.cfg).to(model.inv_freq.device))
+    model.init_buffers()
     report.seconds = time.perf_counter() - start
     return report
 
