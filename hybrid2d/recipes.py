@@ -181,3 +181,143 @@ def _llama31_8b() -> JobConfig:
 def _llama31_70b() -> JobConfig:
     model = _llama3(8192, 80, 64, 28672, 8.0, tie=False)
     return _large(model, seq_len=4096, global_batch=256, tp=2, ac="selective", micro=1)
+
+
+# ---- the other families: shapes of each model's published HF config.json ----------------------
+
+_QWEN_VOCAB = 151936
+
+
+def _qwen3(dim, layers, heads, ffn, tie) -> ModelConfig:
+    """Qwen3 (Qwen3ForCausalLM): 8 kv heads of 128 channels whatever the width, q/k norms."""
+    return ModelConfig(
+        name="qwen3",
+        family="qwen3",
+        dim=dim,
+        n_layers=layers,
+        n_heads=heads,
+        n_kv_heads=8,
+        attn_head_dim=128,
+        qk_norm=True,
+        ffn_dim=ffn,
+        vocab_size=_QWEN_VOCAB,
+        norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        tie_embeddings=tie,
+    )
+
+
+def _gemma3(dim, layers, heads, kv_heads, head_dim, ffn, vocab, window, scalar, **rest):
+    """Gemma 3 text (Gemma3ForCausalLM): 5 sliding-window layers to 1 global, local RoPE base
+    10k, (1 + w) norms before and after attention and MLP, GELU-tanh, tied embeddings."""
+    return ModelConfig(
+        name="gemma3",
+        family="gemma3",
+        dim=dim,
+        n_layers=layers,
+        n_heads=heads,
+        n_kv_heads=kv_heads,
+        attn_head_dim=head_dim,
+        ffn_dim=ffn,
+        vocab_size=vocab,
+        norm_eps=1e-6,
+        qk_norm=True,
+        norm_plus_one=True,
+        sandwich_norms=True,
+        mlp_activation="gelu_tanh",
+        scale_embeddings=True,
+        attn_scale_base=float(scalar),
+        sliding_window=window,
+        layer_types="".join("F" if (i + 1) % 6 == 0 else "S" for i in range(layers)),
+        rope_theta=1000000.0,
+        rope_local_theta=10000.0,
+        tie_embeddings=True,
+        **rest,
+    )
+
+
+# The defaults below are each recipe's best plan on its hardware (tools/plan.py, 2026-12-07):
+# qwen3-0.6b 6.73 s/step, 38.5 GiB; gemma3-1b 7.00 s, 61.9 GiB (the 262k vocabulary's logits);
+# qwen3-8b 4.73 s, 55.5 GiB; qwen2.5-7b 3.81 s, 48.1 GiB (2x2x2 is 0.5% slower); mistral-7b
+# 3.76 s, 66.7 GiB; qwen3-32b 19.6 s, 65.9 GiB (1x8x2 is 0.3% slower); gemma3-27b 16.9 s,
+# 55.0 GiB. Mistral 7B v0.3 has no sliding window (v0.1's was 4096, the sequence length here).
+@register("qwen3-0.6b", Hardware(1, 1, "h100", "80GB"), "Qwen3 0.6B, tied embeddings")
+def _qwen3_06b() -> JobConfig:
+    model = _qwen3(1024, 28, 16, 3072, tie=True)
+    return _large(model, seq_len=4096, global_batch=64, tp=1, ac="none", micro=2)
+
+
+@register("qwen3-8b", Hardware(1, 8, "h100", "80GB"), "Qwen3 8B")
+def _qwen3_8b() -> JobConfig:
+    model = _qwen3(4096, 36, 32, 12288, tie=False)
+    return _large(model, seq_len=4096, global_batch=64, tp=2, ac="none", micro=2)
+
+
+@register("qwen3-32b", Hardware(2, 8, "h100", "80GB"), "Qwen3 32B")
+def _qwen3_32b() -> JobConfig:
+    model = _qwen3(5120, 64, 64, 25600, tie=False)
+    return _large(model, seq_len=4096, global_batch=128, tp=4, ac="selective", micro=2)
+
+
+@register("qwen2.5-7b", Hardware(1, 8, "h100", "80GB"), "Qwen2.5 7B, q/k/v biases")
+def _qwen25_7b() -> JobConfig:
+    model = ModelConfig(
+        name="qwen2",
+        family="qwen2",
+        dim=3584,
+        n_layers=28,
+        n_heads=28,
+        n_kv_heads=4,
+        qkv_bias=True,
+        ffn_dim=18944,
+        vocab_size=152064,
+        norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=131072,
+    )
+    return _large(model, seq_len=4096, global_batch=64, tp=2, ac="none", micro=2)
+
+
+@register("mistral-7b", Hardware(1, 8, "h100", "80GB"), "Mistral 7B v0.3")
+def _mistral_7b() -> JobConfig:
+    model = ModelConfig(
+        name="mistral",
+        family="mistral",
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=14336,
+        vocab_size=32768,
+        norm_eps=1e-5,
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
+    )
+    return _large(model, seq_len=4096, global_batch=64, tp=1, ac="none", micro=2)
+
+
+@register("gemma3-1b", Hardware(1, 1, "h100", "80GB"), "Gemma 3 1B (text), 1 kv head")
+def _gemma3_1b() -> JobConfig:
+    model = _gemma3(1152, 26, 4, 1, 256, 6912, 262144, window=512, scalar=256)
+    model.max_position_embeddings = 32768
+    return _large(model, seq_len=4096, global_batch=64, tp=1, ac="none", micro=2)
+
+
+@register("gemma3-27b", Hardware(2, 8, "h100", "80GB"), "Gemma 3 27B (text)")
+def _gemma3_27b() -> JobConfig:
+    model = _gemma3(
+        5376,
+        62,
+        32,
+        16,
+        128,
+        21504,
+        262208,
+        window=1024,
+        scalar=168,
+        rope_scaling_factor=8.0,
+        rope_scaling_type="linear",
+        max_position_embeddings=131072,
+    )
+    return _large(model, seq_len=4096, global_batch=128, tp=2, ac="selective", micro=1)

@@ -102,7 +102,7 @@ def test_efficiency_counts_gpus_on_cuda_and_the_shared_host_on_cpu():
     assert row["kinds"]["hybrid2d"]["mfu"] == pytest.approx(fpt * tokens_per_s / 4e12)
     assert row["kinds"]["single"]["mfu"] == pytest.approx(fpt * 8 * 16 / 1.0 / 1e12)
     table = bench.format_table({"2x2": row}, "cuda")
-    assert "| 2x2 | hybrid2d | 0.300 | 427 | 83% | 0.00695% | 1.00x |" in table
+    assert "| 2x2 | hybrid2d | 0.300 | 427 | 83% | 0.00696% | 1.00x |" in table
     args.device, args.peak_flops = "cpu", None  # the same cores for every kind: 1.0 / 0.3
     row = bench.summarize(runs, args, model)
     assert row["kinds"]["hybrid2d"]["efficiency"] == pytest.approx(1.0 / 0.3)
@@ -159,3 +159,33 @@ def test_distributed_kinds_let_torchrun_bind_its_ports():
     assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
     assert cmd[5:] == ["4", "worker.py", "--out", "x.json"]
     assert not any("port" in a or "rdzv" in a for a in cmd)
+
+
+@pytest.mark.parametrize("family", bench.FAMILIES)
+def test_family_shape_is_a_model_transformers_loads_as_its_class(tmp_path, family):
+    """--family: the benchmark's shape as the family builds it validates, and the HF directory
+    every kind starts from loads in transformers as that family's class with our weights."""
+    from transformers import AutoModelForCausalLM
+
+    from hybrid2d.models.llama import Llama
+
+    args = SimpleNamespace(dim=64, layers=3, heads=4, kv_heads=2, ffn=96, vocab=256, seq_len=32)
+    model = bench.bench_model(args, family)
+    assert model.family == family
+    if family in ("mistral", "gemma3"):
+        assert 0 < model.sliding_window < args.seq_len  # the masks are exercised
+        assert "F" in model.layer_types or family == "mistral"
+    bench.write_model_dir(model, str(tmp_path))
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    assert type(hf).__name__.lower().startswith(family)
+    ours = Llama(model)
+    ours.init_weights(0)
+    theirs = hf.state_dict()
+    for name, value in ours.state_dict().items():
+        assert torch.equal(theirs[name], value), name
+
+
+def test_families_run_llama_first_and_each_once():
+    args = SimpleNamespace(family=["gemma3", "all", "llama"])
+    assert bench.families(args) == ["llama", "gemma3", "mistral", "qwen2", "qwen3"]
+    assert bench.families(SimpleNamespace(family=[])) == ["llama"]

@@ -8,7 +8,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from hybrid2d.config import ModelConfig
 from hybrid2d.metrics import flops_per_token
+from hybrid2d.models.attention import dense_mask
 from hybrid2d.models.llama import Llama
+from tests.family_shapes import FAMILIES, family_model
 
 
 @pytest.mark.parametrize(
@@ -41,6 +43,34 @@ def test_flops_per_token_equals_counted_matmuls(shape):
     counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
     assert set(counts) == {"aten.mm", "aten.bmm"}
     # Weights: every mm; attention: the math path computes the whole score square, of which a
-    # causal model uses half (what flops_per_token counts).
-    counted = counts["aten.mm"] + counts["aten.bmm"] / 2
-    assert flops_per_token(model_cfg, seq) * batch * seq == counted
+    # causal model uses the s (s + 1) / 2 pairs on and below the diagonal (what flops_per_token
+    # counts).
+    counted = counts["aten.mm"] + counts["aten.bmm"] * (seq + 1) / (2 * seq)
+    assert flops_per_token(model_cfg, seq) * batch * seq == pytest.approx(counted, rel=1e-12)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_flops_per_token_of_each_family_equals_counted_matmuls(family):
+    """Each family's switches (head_dim != dim / heads, biases, q/k norms, GELU, sandwich norms,
+    sliding windows shorter than the sequence) against torch's count of one step. The math
+    backend computes every layer's whole score square; the pairs a layer attends are those its
+    own mask (models/attention.py) lets through, counted from the mask itself."""
+    cfg = family_model(family)
+    model = Llama(cfg)
+    model.init_weights(0)
+    batch, seq = 2, 13
+    x = torch.randint(0, cfg.vocab_size, (batch, seq + 1))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        logits = model(x[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).backward()
+    counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    assert set(counts) <= {"aten.mm", "aten.addmm", "aten.bmm"}, counts
+    cpu = torch.device("cpu")
+    pairs = [
+        int(dense_mask(None, cfg.layer_window(i), seq, cpu).sum()) for i in range(cfg.n_layers)
+    ]
+    attention = counts["aten.bmm"] / cfg.n_layers * sum(pairs) / seq**2
+    counted = counts["aten.mm"] + counts.get("aten.addmm", 0) + attention
+    assert flops_per_token(cfg, seq) * batch * seq == pytest.approx(counted, rel=1e-12)
+    if cfg.sliding_window:  # the window is shorter than the sequence: fewer pairs than causal
+        assert sum(pairs) < cfg.n_layers * seq * (seq + 1) // 2

@@ -22,6 +22,7 @@ def expected(name):
 @pytest.mark.parametrize("name", GPU_RECIPES)
 def test_recipe_fits_its_hardware(name):
     cfg = recipes.get(name)
+    cfg.check_settings()  # every setting on its own (layer_types against n_layers, ...)
     want, hw = expected(name)
     world = want.nodes * want.gpus_per_node
     layout = RunLayout.build(cfg, world)

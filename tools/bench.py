@@ -3,6 +3,7 @@
     python tools/bench.py                     # 2x2 and 1x2 meshes, llama-debug-like shape
     python tools/bench.py --mesh 2x2 --repeats 3 --comm
     python tools/bench.py --device cuda --mesh 2x4 --dim 2048 --layers 8 ...   # nccl, MFU
+    python tools/bench.py --mesh 2x2 --family all --levers-only   # each family beside Llama
 
 Runs alternate (hybrid2d, transformers, single, hybrid2d, ...) so that drift of a shared machine
 hits every kind alike; each figure is the median over all measured steps of all repeats. All kinds
@@ -12,11 +13,17 @@ efficiency = single-process throughput / distributed throughput per unit of hard
 every kind shares the host's cores (single step time / distributed step time); on CUDA the
 single process has one GPU and a mesh has dp x tp. MFU = model FLOPs per token x tokens/s
 over the peak FLOP/s of the hardware used (known GPUs' dense bf16 peak, or --peak-tflops).
+
+--family runs the same shape (--dim, --layers, ...) as each named family builds it (FAMILY_SHAPES:
+Qwen3's wider heads and q/k norms, Qwen2's biases, Mistral's and Gemma 3's sliding windows of a
+quarter of the sequence, Gemma 3's four norms, GELU and scaled embeddings) and Llama's, and
+reports each family's step time per token beside Llama's.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -41,8 +48,45 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_worker.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
 
 
-def bench_model(args) -> ModelConfig:
-    return ModelConfig(
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+
+
+def family_shape(family: str, base: ModelConfig, seq_len: int) -> dict:
+    """The switches `family` sets on the benchmark's Llama shape, as its published models do:
+    head sizes relative to dim / heads as in Qwen3 0.6B (2x), windows shorter than the sequence
+    (a quarter of it) as Gemma 3's 512 of 32k and Mistral v0.1's 4k of 32k, Gemma 3's five
+    sliding layers to one global (at least one global)."""
+    window = max(1, seq_len // 4)
+    wide = 2 * (base.dim // base.n_heads)
+    if family == "llama":
+        return {}
+    if family == "mistral":
+        return dict(family=family, sliding_window=window)
+    if family == "qwen2":
+        return dict(family=family, qkv_bias=True, norm_eps=1e-6, rope_theta=1e6)
+    if family == "qwen3":
+        return dict(family=family, attn_head_dim=wide, qk_norm=True, norm_eps=1e-6, rope_theta=1e6)
+    layers = "".join("F" if (i + 1) % 6 == 0 else "S" for i in range(base.n_layers))
+    layers = layers if "F" in layers else layers[:-1] + "F"  # fewer than 6: the last is global
+    return dict(  # gemma3
+        family=family,
+        qk_norm=True,
+        norm_plus_one=True,
+        sandwich_norms=True,
+        mlp_activation="gelu_tanh",
+        scale_embeddings=True,
+        attn_scale_base=float(base.head_dim),
+        sliding_window=window,
+        layer_types=layers,
+        rope_theta=1e6,
+        rope_local_theta=1e4,
+        tie_embeddings=True,
+        norm_eps=1e-6,
+    )
+
+
+def bench_model(args, family: str = "llama") -> ModelConfig:
+    base = ModelConfig(
         dim=args.dim,
         n_layers=args.layers,
         n_heads=args.heads,
@@ -50,31 +94,23 @@ def bench_model(args) -> ModelConfig:
         ffn_dim=args.ffn,
         vocab_size=args.vocab,
     )
+    return dataclasses.replace(base, **family_shape(family, base, args.seq_len))
 
 
 def write_model_dir(model: ModelConfig, path: str) -> None:
-    """One set of random weights as a HF directory that every kind starts from."""
-    import dataclasses
+    """One set of random weights as a HF directory of the family's class that every kind starts
+    from (the config.json hybrid2d's export writes, read back by transformers)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    from hybrid2d.checkpoint.hf import hf_config_from_model
     from hybrid2d.models.llama import Llama
 
     ours = Llama(model)
     ours.init_weights(0)
-    hf_cfg = LlamaConfig(
-        hidden_size=model.dim,
-        intermediate_size=model.ffn_dim,
-        num_hidden_layers=model.n_layers,
-        num_attention_heads=model.n_heads,
-        num_key_value_heads=model.n_kv_heads,
-        vocab_size=model.vocab_size,
-        rms_norm_eps=model.norm_eps,
-        max_position_embeddings=model.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": model.rope_theta},
-        tie_word_embeddings=model.tie_embeddings,
-    )
-    hf = LlamaForCausalLM(hf_cfg)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config_from_model(model), f)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
     hf.load_state_dict(ours.state_dict())
     hf.save_pretrained(path)
     with open(os.path.join(path, "hybrid2d_model.json"), "w") as f:
@@ -272,6 +308,31 @@ def format_table(results: dict, device: str) -> str:
     return "\n".join(lines)
 
 
+def families(args) -> list[str]:
+    """The families to run: Llama first (the others are reported beside it), then each named
+    one; `all` names every family."""
+    named = [f for name in args.family for f in (FAMILIES if name == "all" else [name])]
+    return ["llama"] + [f for f in dict.fromkeys(named) if f != "llama"]
+
+
+def family_table(results: dict, args) -> str:
+    """Each family's step time per token beside Llama's on the same mesh (hybrid2d's runs)."""
+    lines = [
+        "| mesh | family | params | FLOPs/token | step (s) | us/token | time/token vs llama |",
+        "|" + "---|" * 7,
+    ]
+    tokens = args.global_batch * args.seq_len
+    for (family, mesh), row in results.items():
+        step = row["kinds"]["hybrid2d"]["step_s"]
+        llama = results[("llama", mesh)]["kinds"]["hybrid2d"]["step_s"]
+        model = bench_model(args, family)
+        fpt = flops_per_token(model, args.seq_len)
+        cells = [mesh, family, f"{model.num_params() / 1e6:.2f}M", f"{fpt / 1e6:.2f}M"]
+        cells += [f"{step:.3f}", f"{1e6 * step / tokens:.1f}", f"{step / llama:.2f}x"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def check_args(args) -> list[tuple[int, int]]:
     """Every mistake the runs would hit, found before any weights are written or ranks start.
 
@@ -313,12 +374,20 @@ def check_args(args) -> list[tuple[int, int]]:
             raise ConfigError(
                 f"--mesh {text} needs {dp * tp} GPUs, {torch.cuda.device_count()} are visible"
             )
-        for settings in runs:  # hybrid2d's defaults, then each lever on top of --set
-            model = bench_model(args)
-            job = bench_job(
-                model, args.global_batch, args.seq_len, args.steps, dp, tp, args.device, settings
-            )
-            RunLayout.build(job, dp * tp)  # a bad --set is one line before any run
+        for family in families(args):
+            for settings in runs:  # hybrid2d's defaults, then each lever on top of --set
+                model = bench_model(args, family)
+                job = bench_job(
+                    model,
+                    args.global_batch,
+                    args.seq_len,
+                    args.steps,
+                    dp,
+                    tp,
+                    args.device,
+                    settings,
+                )
+                RunLayout.build(job, dp * tp)  # a bad --set is one line before any run
         meshes.append((dp, tp))
     return meshes
 
@@ -332,6 +401,14 @@ def main(argv=None) -> int:
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--ffn", type=int, default=688)
     p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument(
+        "--family",
+        action="append",
+        default=[],
+        choices=[*FAMILIES, "all"],
+        help="also run this family's shape (repeatable; all: every family), reported beside "
+        "Llama's; --baseline then runs beside Llama only",
+    )
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=8)
@@ -380,22 +457,30 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     args.peak_flops = peak_flops(args)
-    model = bench_model(args)
-    results = {}
+    results, by_family = {}, {}
     started = time.time()
-    with tempfile.TemporaryDirectory() as model_dir:
-        write_model_dir(model, model_dir)
-        for dp, tp in meshes:
-            mesh = f"{dp}x{tp}"
-            args.world = dp * tp
-            runs = measure(dp, tp, args, model_dir)
-            results[mesh] = summarize(runs, args, model)
-            if args.comm:
-                from hybrid2d.planner.comm import analytic_step
+    baseline = args.baseline
+    for family in families(args):
+        model = bench_model(args, family)
+        args.baseline = baseline if family == "llama" else None
+        with tempfile.TemporaryDirectory() as model_dir:
+            write_model_dir(model, model_dir)
+            for dp, tp in meshes:
+                mesh = f"{dp}x{tp}"
+                label = mesh if family == "llama" else f"{mesh} {family}"
+                args.world = dp * tp
+                runs = measure(dp, tp, args, model_dir)
+                results[label] = summarize(runs, args, model)
+                by_family[family, mesh] = results[label]
+                if args.comm:
+                    from hybrid2d.planner.comm import analytic_step
 
-                local = args.global_batch // dp
-                results[mesh]["comm"] = runs["comm"]["comm"]
-                results[mesh]["comm_analytic"] = analytic_step(model, dp, tp, local, args.seq_len)
+                    local = args.global_batch // dp
+                    results[label]["comm"] = runs["comm"]["comm"]
+                    results[label]["comm_analytic"] = analytic_step(
+                        model, dp, tp, local, args.seq_len
+                    )
+    args.baseline = baseline
     if args.json:  # first, so that the measurements outlive any mistake in printing them
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
@@ -413,6 +498,9 @@ def main(argv=None) -> int:
         f"hybrid2d settings: {args.set or 'defaults'}"
     )
     print(format_table(results, args.device))
+    if len(families(args)) > 1:
+        table = family_table(by_family, args)
+        print(f"\nfamilies (hybrid2d), the same shape as each builds it:\n{table}")
     if args.comm:
         from hybrid2d.comm_report import format_comm
 

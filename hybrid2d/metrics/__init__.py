@@ -4,6 +4,7 @@ its closing lines. The figures are re-exported here: the profiler and the planne
 
 from hybrid2d.metrics.writer import (
     MetricsWriter,
+    attended_keys,
     device_peaks,
     flops_per_token,
     peak_memory_bytes,
@@ -13,6 +14,7 @@ from hybrid2d.metrics.writer import (
 
 __all__ = [
     "MetricsWriter",
+    "attended_keys",
     "device_peaks",
     "flops_per_token",
     "peak_memory_bytes",

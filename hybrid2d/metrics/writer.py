@@ -36,20 +36,35 @@ def peak_memory_bytes(device: torch.device) -> int:
     return device_peaks(device)[0] if device.type == "cuda" else peak_rss_bytes()
 
 
+def attended_keys(m: ModelConfig, seq_len: int) -> int:
+    """(query, key) pairs one sequence of `seq_len` attends to, summed over the layers: the query
+    at position i (1-based) sees i keys, or min(window, i) on a sliding-window layer."""
+    full = seq_len * (seq_len + 1) // 2
+    total = 0
+    for layer in range(m.n_layers):
+        w = m.layer_window(layer)
+        total += full if not w or w >= seq_len else w * (w + 1) // 2 + (seq_len - w) * w
+    return total
+
+
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     """Model FLOPs of one training token (forward + backward), the numerator of MFU.
 
     A weight used in a matmul costs 2 FLOPs per token forward and 4 backward (input and weight
-    gradients). The weights that do matmuls are the block projections and the output head (also
-    when tied to the embedding: the lookup is free, the head matmul is not); norm weights do
-    none. Attention's scores and weighted sum cost 4 x seq x (heads x head_dim) per layer
-    forward, 12 with backward; causal masking leaves half of that useful.
+    gradients). The weights that do matmuls are the block projections (of `head_dim`-sized heads,
+    which need not be dim / heads) and the output head (also when tied to the embedding: the
+    lookup is free, the head matmul is not). Biases, norms (the per-head q/k norms too), the
+    activation (SiLU or GELU) and the embedding scale are elementwise and count none, as in every
+    MFU figure. Attention's scores and weighted sum cost 4 x head_dim x heads per (query, key)
+    pair forward, 12 with backward, over the pairs the mask lets through (`attended_keys`:
+    causal, and the window on sliding layers).
     """
     hd = m.head_dim
     projections = m.dim * hd * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * m.dim * m.ffn_dim
     matmul_weights = m.n_layers * projections + m.vocab_size * m.dim
-    attention = 12 * m.n_layers * m.n_heads * hd * seq_len / 2
-    return 6 * matmul_weights + attention
+    if not seq_len:
+        return 6 * matmul_weights
+    return 6 * matmul_weights + 12 * m.n_heads * hd * attended_keys(m, seq_len) / seq_len
 
 
 class MetricsWriter:

@@ -172,7 +172,8 @@ def attention_rate(m: ModelConfig, tokens: int, seq: int, tp: int, dtype, device
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=h != kv)
         out.backward(grad)
 
-    flops = b * seq * 6 * h * hd * seq  # flops_per_token's attention term for these tokens
+    # flops_per_token's attention term for these tokens: 12 h hd per causal (query, key) pair
+    flops = b * 6 * h * hd * seq * (seq + 1)
     return flops / timed(run, device)
 
 

@@ -15,14 +15,25 @@ N = b*s tokens; sequence parallelism splits the residual stream and the norms ov
 attention and MLP see the gathered sequence with their heads / ffn split over tp):
 
     2 norms        2 * (N/tp) * dim * (4 + c)     fp32 input (or its fp32 copy) + normed (c)
+                   (4 with Gemma 3's sandwich norms, after attention and after the MLP;
+                   Gemma's (1 + w) norms keep the normed tensor in fp32: 4 + 4)
     attn/mlp in    2 * N * dim * c                the gathered sequence (tp > 1) or norm output
     q, k, v        N * (heads / tp + 2 max(kv_heads / tp, 1)) * head_dim * c
+    q/k norms      N * (heads / tp + max(kv_heads / tp, 1)) * head_dim * (4 + c)   (Qwen3, Gemma 3)
     attention out  N * heads * head_dim / tp * c  (+ the logsumexp, fp32)
-    MLP            4 * N * ffn / tp * c           gate, silu(gate), up, their product
+    MLP            4 * N * ffn / tp * c           gate, act(gate), up, their product
+
+(each norm also keeps its fp32 rstd, 4 bytes a row). When tp exceeds the kv heads, each rank
+holds whole k/v weights (`ParamInfo.max_shards`, from the plan's style) and computes the one kv
+head its query heads use: kv_heads / tp above is then 1 (`kv_heads_per_rank`).
 
 with c the compute bytes (4 fp32, 2 bf16). With activation checkpointing a block keeps only its
 input, (N/tp) * dim * c, and one block's set is rebuilt during its backward. After the last
 block: the final norm, the lm_head input and the logits, N * vocab/tp * 4 bytes in fp32. The
+inputs of every block live from the first block's forward to the last block's backward: token
+ids and labels, the RoPE tables (cos, sin) of each kind of layer, and (CUDA) the block mask of
+each kind that has one (`attention_inputs`). On CPU the dense boolean mask [1, 1, s, s] of such a
+kind lives through the forward only: SDPA saves, per layer, its additive copy (s * s * c). The
 loss adds transients of the logits' size: the peak of cross entropy's backward holds 3 of them
 (log-softmax output, its gradient and nll's gradient), and so does the vocab-parallel loss of
 parallel/loss.py (the fp32 logits, exp, and the softmax it turns in place into the gradient).
@@ -58,6 +69,11 @@ from hybrid2d.parallel.tensor_parallel import tp_plan
 GiB = 2**30
 
 
+# The projections whose split dim holds the key/value heads: when tp exceeds the kv heads, each
+# rank keeps them whole (parallel/tensor_parallel.py replicates each kv head over the ranks whose
+# query heads use it; their gradients are summed over tp).
+
+
 @dataclass(frozen=True)
 class ParamInfo:
     name: str
@@ -65,6 +81,12 @@ class ParamInfo:
     tp_dim: int | None  # the dim split over tp; None: replicated over tp
     unit: int  # FSDP unit: block index, or -1 for the root
     max_shards: int | None = None  # past this many tp ranks: replicated (kv heads)
+
+
+def kv_heads_per_rank(m: ModelConfig, tp: int) -> int:
+    """Key/value heads one rank computes: its share, or the one its query heads use when tp
+    exceeds them (tensor_parallel.KVHeadLinear)."""
+    return max(1, m.n_kv_heads // tp)
 
 
 def model_params(m: ModelConfig) -> list[ParamInfo]:
@@ -166,7 +188,8 @@ def estimate(cfg: JobConfig, layout: RunLayout, rank: int = 0, target: str = "cu
         unit_gathered[info.unit] = unit_gathered.get(info.unit, 0) + pad * dps * c
         if info.name == "lm_head.weight" or (m.tie_embeddings and "embed_tokens" in info.name):
             lm_head_gathered = pad * dps * c
-    buffers = (m.head_dim // 2) * 4  # inv_freq (fp32, every rank)
+    # inv_freq (fp32, every rank), and inv_freq_local for the sliding layers' own RoPE base
+    buffers = (m.head_dim // 2) * 4 * (2 if m.rope_local_theta else 1)
     parameters = padded * 4 + buffers
     gradients = padded * 4
     optimizer = 0
@@ -180,14 +203,21 @@ def estimate(cfg: JobConfig, layout: RunLayout, rank: int = 0, target: str = "cu
     S, D, hd = t.seq_len, m.dim, m.head_dim
     N = b * S
     Nl = N // tp
-    heads, ffn, vocab = m.n_heads // tp, m.ffn_dim // tp, m.vocab_size
-    kv = max(m.n_kv_heads // tp, 1)  # past the kv heads a rank computes one (tensor_parallel.py)
-    norms = 2 * Nl * D * (4 + c) + 2 * Nl * 4
+    heads, kv, ffn, vocab = m.n_heads // tp, kv_heads_per_rank(m, tp), m.ffn_dim // tp, m.vocab_size
+    n_norms = 4 if m.sandwich_norms else 2
+    # A norm saves its fp32 input (or fp32 copy), the normed tensor and its rstd; Gemma's
+    # (1 + w) norm scales in fp32, so its normed tensor is fp32 and it saves the (1 + w) too.
+    nb = 4 + (4 if m.norm_plus_one else c)
+    offset = 4 if m.norm_plus_one else 0
+    norms = n_norms * (Nl * D * nb + Nl * 4 + D * offset)
     gathered = 2 * N * D * c  # the attention's and the MLP's inputs
     qkv = N * (heads + 2 * kv) * hd * c
+    # Per-head q and k norms: the projection's output (fp32) or its fp32 copy, the normed heads
+    # and a rstd per head and token.
+    qk_norms = N * (heads + kv) * (hd * nb + 4) + 2 * hd * offset if m.qk_norm else 0
     attn_out = N * heads * hd * c + b * heads * S * 4
     mlp = 4 * N * ffn * c
-    block = norms + gathered + qkv + attn_out + mlp
+    block = norms + gathered + qkv + qk_norms + attn_out + mlp
     ckpt = Nl * D * c
     if p.compile:
         # torch.compile's partitioner keeps what backward needs and recomputes the rest: the
@@ -216,10 +246,15 @@ def estimate(cfg: JobConfig, layout: RunLayout, rank: int = 0, target: str = "cu
     else:
         kept = block
     recomputes = kept != block
-    blocks_saved = m.n_layers * kept
-    head = Nl * D * (4 + c) + Nl * 4 + N * D * c
+    # CPU: SDPA turns a layer's boolean mask into an additive one of the compute dtype and saves
+    # it for backward, one per masked layer (recomputed, not kept, under checkpointing).
+    masked = [bool(m.layer_window(i)) for i in range(m.n_layers)]
+    mask_saved = S * S * c if target == "cpu" else 0
+    blocks_saved = m.n_layers * kept + (sum(masked) * mask_saved if not recomputes else 0)
+    last_block = block + (mask_saved if masked[-1] else 0)
+    head = Nl * D * nb + Nl * 4 + D * offset + N * D * c
     logits = N * (vocab // tp) * 4
-    inputs = 2 * b * S * 8 + 2 * S * hd * c
+    inputs, forward_masks = attention_inputs(m, b, S, c, target)
     # tp > 1: the vocab-parallel loss's per-token tensors beside the logits' three (row max and
     # its index, sum of exp, target logit, their all-reduced copies, the label masks and
     # offsets): 40 bytes a token, counted on CPU.
@@ -229,10 +264,16 @@ def estimate(cfg: JobConfig, layout: RunLayout, rank: int = 0, target: str = "cu
     # output and its re-layout both exist for a moment).
     head_gather = Nl * D * c + (2 * N * D * c if tp > 1 else 0)
     act = {
-        "end of forward": blocks_saved + Nl * D * (4 + c) + Nl * 4 + head_gather + inputs,
+        "end of forward": blocks_saved
+        + Nl * D * nb
+        + D * offset
+        + Nl * 4
+        + head_gather
+        + inputs
+        + forward_masks,
         "loss": blocks_saved + head + 3 * logits + loss_tokens + inputs,
         "last block backward": blocks_saved
-        + (block - kept + ckpt if recomputes else 0)
+        + (last_block - kept + ckpt if recomputes else 0)
         + ffn_grad
         + Nl * D * c
         + N * D * c
@@ -301,6 +342,26 @@ def estimate(cfg: JobConfig, layout: RunLayout, rank: int = 0, target: str = "cu
         micro_batches=n_micro,
         seq_len=S,
     )
+
+
+def attention_inputs(m: ModelConfig, b: int, S: int, c: int, target: str) -> tuple[int, int]:
+    """(bytes held from the first forward to the last backward, bytes held during the forward
+    only) of what every block reads: token ids and labels (int64), and per kind of layer
+    (`Llama.layer_inputs`: its window and RoPE base) the RoPE tables cos and sin [s, head_dim]
+    and its mask (models/attention.py: none for plain causal layers; on CPU a dense bool
+    [1, 1, s, s], which only the forward holds; on CUDA a FlexAttention block mask, int32 block
+    counts and indices over 128-token blocks, for the rows and for the columns)."""
+    kinds = {(w := m.layer_window(i), bool(w and m.rope_local_theta)) for i in range(m.n_layers)}
+    blocks = -(-S // 128)
+    total = 2 * b * S * 8
+    forward = 0
+    for window, _ in kinds:
+        total += 2 * S * m.head_dim * c
+        if window and target == "cpu":
+            forward += S * S
+        elif window:
+            total += 2 * 2 * blocks * (blocks + 1) * 4
+    return total, forward
 
 
 def estimates_per_rank(cfg: JobConfig, layout: RunLayout, target: str = "cuda") -> list[dict]:

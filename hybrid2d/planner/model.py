@@ -9,7 +9,8 @@ The pieces are the project's own, called as they are, never re-derived:
 
 Priced per rank and per optimizer step (b = micro batch, S = sequence, N = b*S tokens):
 
-    compute   = matmul FLOPs (model + recompute) / achieved matmul rate at (N, tp)
+    compute   = matmul FLOPs (model + recompute + the k/v projections of kv heads that tp
+                ranks share when tp > kv heads) / achieved matmul rate at (N, tp)
               + attention FLOPs (model + recompute) / achieved attention rate
               + elementwise bytes / achieved memory bandwidth
               + checkpointing's calibrated overhead per block and micro batch (CPU: the
@@ -44,8 +45,9 @@ tp = 1 selective reruns no matmul. Neither reruns any other collective.
 
 Elementwise traffic is counted per element of each unfused eager op (bytes read + written):
 RMSNorm (fp32 upcast, square, mean, scale, cast back, weight) on the sequence-parallel [N/tp, dim]
-residual stream, two residual adds, RoPE on q and k, the attention output's re-layout, SiLU and
-the gate x up product; backward is counted as twice the forward; the logits' fp32 cast and cross
+residual stream (four with sandwich norms), two residual adds, RoPE on q and k (and their
+per-head norms), the attention output's re-layout, the activation (SiLU or GELU) and the gate x
+up product; backward is counted as twice the forward; the logits' fp32 cast and cross
 entropy over [N, vocab/tp]; FSDP's copy-in / copy-out of every gathered or reduced buffer.
 This is an approximation (the only one here not checked against a measurement of its own); a
 calibrated profile measures the bandwidth these same ops reach at the model's shapes.
@@ -69,6 +71,7 @@ from hybrid2d.planner.memory import (
     compute_dtype_bytes,
     estimate,
     fsdp_shard,
+    kv_heads_per_rank,
     model_params,
     tp_local_shape,
 )
@@ -124,8 +127,11 @@ class Candidate:
 def flops(
     m: ModelConfig, seq_len: int, activation_checkpoint: str, tp: int = 1
 ) -> dict[str, float]:
-    """FLOPs per training token: the model's (flops_per_token, split into matmuls and attention)
-    and what checkpointing recomputes (selective: the o projection when tp > 1, else none)."""
+    """FLOPs per training token: the model's (flops_per_token, split into matmuls and attention),
+    what checkpointing recomputes (selective: the o projection when tp > 1, else none) and what
+    tp ranks compute twice: when tp exceeds the kv heads, each rank projects the one kv head its
+    query heads use, so the k and v projections run tp / kv_heads times over (per token of the
+    rank's share, 12 x dim x head_dim per block and head beyond the model's kv heads)."""
     total = flops_per_token(m, seq_len)
     matmul = flops_per_token(m, 0)  # the attention term is proportional to the sequence
     attention = total - matmul
@@ -138,12 +144,14 @@ def flops(
         recompute_attn = 0.0
     else:
         recompute_mm = recompute_attn = 0.0
+    extra_kv = max(0, tp - m.n_kv_heads)
     return {
         "model": total,
         "matmul": matmul,
         "attention": attention,
         "recompute_matmul": recompute_mm,
         "recompute_attention": recompute_attn,
+        "replicated_matmul": 12.0 * m.n_layers * m.dim * m.head_dim * extra_kv,
     }
 
 
@@ -154,16 +162,22 @@ def norm_bytes_per_element(c: int) -> int:
 
 
 def block_elementwise_bytes(m: ModelConfig, tokens: int, tp: int, c: int) -> dict[str, float]:
-    """Bytes read + written by one block's elementwise ops in forward for `tokens` tokens."""
+    """Bytes read + written by one block's elementwise ops in forward for `tokens` tokens (Gemma 3's
+    sandwich norms double the block's norms; Qwen3's and Gemma 3's q/k norms run per head)."""
     hd = m.head_dim
     local = tokens / tp  # sequence-parallel residual stream
-    return {
-        "norms": 2 * local * m.dim * norm_bytes_per_element(c),
+    heads = m.n_heads / tp + kv_heads_per_rank(m, tp)  # the heads RoPE and q/k norms see
+    norms = 4 if m.sandwich_norms else 2
+    out = {
+        "norms": norms * local * m.dim * norm_bytes_per_element(c),
         "residual adds": 2 * local * m.dim * 3 * c,
-        "rope": tokens * (m.n_heads + m.n_kv_heads) / tp * hd * 10 * c,
+        "rope": tokens * heads * hd * 10 * c,
         "attention re-layout": tokens * m.n_heads / tp * hd * 2 * c,
-        "silu x up": tokens * m.ffn_dim / tp * 5 * c,
+        "act x up": tokens * m.ffn_dim / tp * 5 * c,
     }
+    if m.qk_norm:
+        out["q/k norms"] = tokens * heads * hd * norm_bytes_per_element(c)
+    return out
 
 
 def head_elementwise_bytes(m: ModelConfig, tokens: int, tp: int, c: int) -> float:
@@ -173,6 +187,8 @@ def head_elementwise_bytes(m: ModelConfig, tokens: int, tp: int, c: int) -> floa
     cross_entropy = logits * 4 * 8  # log-softmax (max, exp-sum, write) and its backward
     norm = 3 * tokens / tp * m.dim * norm_bytes_per_element(c)
     embedding = 3 * tokens * m.dim * c + m.vocab_size / tp * m.dim * c
+    if m.scale_embeddings:  # Gemma: x sqrt(dim), forward and backward
+        embedding += 4 * tokens / tp * m.dim * c
     return cast + cross_entropy + norm + embedding
 
 
@@ -275,7 +291,7 @@ def predict_valid(
     # ---- compute ----------------------------------------------------------------------------
     f = flops(m, S, ac, T)
     rank_tokens = local * S / T  # tp ranks split the work of their dp group's tokens
-    mm_flops = (f["matmul"] + f["recompute_matmul"]) * rank_tokens
+    mm_flops = (f["matmul"] + f["recompute_matmul"] + f["replicated_matmul"]) * rank_tokens
     attn_flops = (f["attention"] + f["recompute_attention"]) * rank_tokens
     # Eager PyTorch's kernels reach a fraction of the compiled step's rates (hardware.py).
     eager = 1.0 if p.compile else hw.eager_efficiency
@@ -439,6 +455,7 @@ def predict_valid(
         "model_flops_per_rank": f["model"] * rank_tokens,
         "recompute_flops_per_rank": (f["recompute_matmul"] + f["recompute_attention"])
         * rank_tokens,
+        "replicated_flops_per_rank": f["replicated_matmul"] * rank_tokens,
         "tp_bytes": tp_bytes,
         "fsdp_all_gather_bytes": ag_bytes,
         "fsdp_reduce_scatter_bytes": rs_bytes,

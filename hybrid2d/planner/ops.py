@@ -6,8 +6,9 @@ bytes, sets the step time. The count comes from the model's structure:
 
 - one block's forward + backward, and the head's (embedding, final norm, output projection,
   cross entropy), counted by running them under a dispatch counter at a tiny shape of the same
-  structure (heads, kv heads), with the trainer's checkpoint call and selective policy, so that
-  recompute's ops are counted as they run;
+  structure (heads, kv heads, tying and the family's switches: biases, q/k norms, sandwich
+  norms, the activation, the embedding scale), with the trainer's checkpoint call and
+  selective policy, so that recompute's ops are counted as they run;
 - per tp collective, per FSDP unit's all-gather / reduce-scatter and per parameter in the
   optimizer: the ops the trainer's code issues around each (listed below, counted by hand from
   `parallel/sequence_comm.py`, FSDP2's copy-in / copy-out and `optim.py`).
@@ -51,7 +52,12 @@ OPS_PER_FSDP_REDUCE_PARAM = 2
 # dispatch once per list, but each tensor's DTensor unwrap and state are per tensor).
 OPS_PER_PARAM_OPTIMIZER = 4
 OPS_PER_STEP_OPTIMIZER = 20  # norms' stack, pow, sum, sqrt, clip coefficient, lr, ...
-BLOCK_PARAMS = 9  # parameter tensors of one block: q, k, v, o, gate, up, down, two norms
+
+
+def block_params(m: ModelConfig) -> int:
+    """Parameter tensors of one block: q, k, v, o, gate, up, down and two norms, the q/k/v
+    biases, the per-head q and k norms, the two sandwich norms."""
+    return 9 + 3 * m.qkv_bias + 2 * m.qk_norm + 2 * m.sandwich_norms
 
 
 class OpCounter(TorchDispatchMode):
@@ -67,14 +73,40 @@ class OpCounter(TorchDispatchMode):
 
 
 def tiny(m: ModelConfig) -> ModelConfig:
-    """The same structure (heads, kv heads, weight tying) at a shape where counting is cheap."""
+    """The same structure (heads, kv heads, weight tying, family switches) at a shape where
+    counting is cheap. One full-attention layer: a sliding window changes which mask the block
+    is given (built once per batch, outside the blocks), not the ops of the block."""
     return dataclasses.replace(
-        m, dim=8 * m.n_heads, ffn_dim=16, vocab_size=32, n_layers=1, max_position_embeddings=64
+        m,
+        dim=8 * m.n_heads,
+        attn_head_dim=8 if m.attn_head_dim else 0,
+        ffn_dim=16,
+        vocab_size=32,
+        n_layers=1,
+        max_position_embeddings=64,
+        sliding_window=0,
+        layer_types="",
     )
 
 
+# The fields that decide which ops a block and the head dispatch (not their sizes).
+_STRUCTURE = (
+    "family",
+    "n_heads",
+    "n_kv_heads",
+    "tie_embeddings",
+    "qkv_bias",
+    "qk_norm",
+    "norm_plus_one",
+    "sandwich_norms",
+    "mlp_activation",
+    "scale_embeddings",
+    "attn_head_dim",
+)
+
+
 def _structure(m: ModelConfig) -> tuple:
-    return (m.n_heads, m.n_kv_heads, m.tie_embeddings)
+    return tuple((name, getattr(m, name)) for name in _STRUCTURE)
 
 
 def block_ops(m: ModelConfig, mode: str) -> int:
@@ -88,8 +120,7 @@ def head_ops(m: ModelConfig) -> int:
 
 
 def _tiny_from(structure: tuple) -> ModelConfig:
-    n_heads, n_kv_heads, tie = structure
-    return tiny(ModelConfig(n_heads=n_heads, n_kv_heads=n_kv_heads, tie_embeddings=tie))
+    return tiny(ModelConfig(**dict(structure)))
 
 
 @functools.lru_cache(maxsize=64)
@@ -172,11 +203,12 @@ def step_ops(
 ) -> dict[str, int]:
     """Ops one rank dispatches in a step, by source. `fsdp_gathers` / `fsdp_reduces` count the
     unit collectives (all units, every micro batch); `params` the rank's parameter tensors."""
+    per_unit = block_params(m)
     return {
         "blocks": m.n_layers * n_micro * block_ops(m, mode),
         "head": n_micro * head_ops(m),
         "tp_collectives": tp_collectives * OPS_PER_TP_COLLECTIVE,
-        "fsdp": fsdp_gathers * (OPS_PER_FSDP_GATHER + OPS_PER_FSDP_GATHER_PARAM * BLOCK_PARAMS)
-        + fsdp_reduces * (OPS_PER_FSDP_REDUCE + OPS_PER_FSDP_REDUCE_PARAM * BLOCK_PARAMS),
+        "fsdp": fsdp_gathers * (OPS_PER_FSDP_GATHER + OPS_PER_FSDP_GATHER_PARAM * per_unit)
+        + fsdp_reduces * (OPS_PER_FSDP_REDUCE + OPS_PER_FSDP_REDUCE_PARAM * per_unit),
         "optimizer": params * OPS_PER_PARAM_OPTIMIZER + OPS_PER_STEP_OPTIMIZER,
     }
