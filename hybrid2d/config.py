@@ -258,9 +258,16 @@ class DataConfig:
     # Characters of the built-in corpus to use (0: all of it). Keeps the CPU default quick.
     max_chars: Annotated[int, Range(0, note="0: all of it")] = 4_000_000
     # auto: .jsonl files whose first line has prompt/completion or messages are instruction
-    # data (one padded sample per line, loss on the completion / assistant turns), anything
-    # else text; text | instruct force one.
+    # data (one sample per line, loss on the completion / assistant turns), anything else
+    # text; text | instruct force one.
     format: Literal["auto", "text", "instruct"] = "auto"
+    # Instruction data only: packed places several samples in a row of train.seq_len (first-fit
+    # decreasing, each sample its own attention block and RoPE positions; same loss and
+    # gradients as padded); padded gives each sample a row of its own.
+    packing: Literal["packed", "padded"] = "packed"
+    # Text data only: on confines attention to each document of a window (documents end at
+    # EOS) and restarts RoPE positions at each; off lets windows attend across documents.
+    document_mask: Literal["off", "on"] = "off"
     # Held-out data for validation, in data.path's formats ("": none, or data.val_fraction).
     val_path: str = ""
     # Fraction of data.path's samples held out for validation when data.val_path is "" (0: none).

@@ -16,6 +16,7 @@ from hybrid2d.checkpoint.reader import MODEL, OPTIMIZER, TRAINER
 from hybrid2d.checkpoint.state import ModelState, OptimizerState, rng_state, set_rng_state
 from hybrid2d.config import JobConfig
 from hybrid2d.data import EvalSet, build_run_data
+from hybrid2d.data.batch import Batch
 from hybrid2d.data.chat import tokenizer_side_files
 from hybrid2d.errors import ConfigError
 from hybrid2d.launcher import world_from_env
@@ -74,6 +75,8 @@ class StepResult:
     lr: float
     seconds: float
     skipped: bool = False
+    tokens: int = 0  # real (non-padding) positions of the global batch
+    loss_tokens: int = 0  # positions of the global batch the loss counts
 
 
 class NonFiniteError(FloatingPointError):
@@ -117,23 +120,31 @@ class Trainer:
         set_rng_state(state["rng"], self.mesh.device)
         self.step = int(state["step"])
 
-    def forward_backward(self, inputs, labels, scale: float, divide_by: float | None = None):
+    def forward_backward(
+        self, inputs, labels, scale: float, divide_by: float | None = None, documents=None
+    ):
         """Summed token loss / divide_by (None: the mean over this batch's loss tokens),
-        backward of it times scale; returns the loss."""
-        loss = cross_entropy(self.model(inputs), labels, divide_by)
+        backward of it times scale; returns the loss. `documents`: packed rows' document index
+        per position (None: each row one sequence)."""
+        loss = cross_entropy(self.model(inputs, documents), labels, divide_by)
         (loss * scale).backward()
         return loss.detach()
 
-    def global_loss_tokens(self, micro_batches) -> int:
-        """Loss tokens (labels other than -100) in the whole global batch: this rank's micro
-        batches, summed over the dp ranks (one all-reduce; tp ranks of a dp group agree)."""
-        count = sum(loss_tokens(labels) for _, labels in micro_batches).to(self.mesh.device)
+    def global_counts(self, micro_batches: list[Batch]) -> tuple[int, int]:
+        """(loss tokens, real tokens) of the whole global batch: labels other than -100 and
+        positions that are not padding in this rank's micro batches, summed over the dp ranks
+        (one all-reduce; tp ranks of a dp group agree)."""
+        loss = sum(loss_tokens(b.labels) for b in micro_batches)
+        real = sum(b.tokens for b in micro_batches)
+        counts = torch.stack([loss, torch.tensor(real, device=loss.device)]).to(self.mesh.device)
         if self.mesh.dp > 1:
-            dist.all_reduce(count, group=self.mesh.dp_mesh.get_group())
-        return int(count.item())
+            dist.all_reduce(counts, group=self.mesh.dp_mesh.get_group())
+        loss_count, real_count = counts.tolist()
+        return int(loss_count), int(real_count)
 
-    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
-        """Forward/backward over this dp rank's micro batches, clip, step.
+    def train_step(self, micro_batches: list) -> StepResult:
+        """Forward/backward over this dp rank's micro batches (each a `Batch`, or an (inputs,
+        labels) pair: rows of one sequence each), clip, step.
 
         The loss is normalised by the loss tokens of the whole global batch: each micro batch's
         summed token loss is divided by that global count N (labels -100 do not count), so the
@@ -149,17 +160,18 @@ class Trainer:
         # All of the step's batches go to the device here, where the GPU is idle anyway: a
         # blocking copy between micro batches would wait for the queued backward and take
         # away the host's run-ahead once per micro batch.
-        micro_batches = [(x.to(device), y.to(device)) for x, y in micro_batches]
-        total_tokens = self.global_loss_tokens(micro_batches)
+        micro_batches = [Batch.of(b).to(device) for b in micro_batches]
+        total_tokens, real_tokens = self.global_counts(micro_batches)
         divide_by = float(max(total_tokens, 1))
         loss_sum = torch.zeros((), device=device)
         defer = self.cfg.parallel.defer_grad_sync and n > 1
-        for i, (inputs, labels) in enumerate(micro_batches):
+        for i, b in enumerate(micro_batches):
             if defer:
                 last = i == n - 1
                 self.model.set_requires_gradient_sync(last)
                 self.model.set_requires_all_reduce(last)  # HSDP's all-reduce across replicas
-            loss_sum += self.forward_backward(inputs, labels, float(self.mesh.dp), divide_by)
+            scale = float(self.mesh.dp)
+            loss_sum += self.forward_backward(b.inputs, b.labels, scale, divide_by, b.documents)
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip).item()
         # Every rank sees the same global loss and norm, so all take the same branch.
         loss = self.dp_sum(loss_sum)
@@ -180,7 +192,10 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        return StepResult(self.step, loss, grad_norm, lr, time.perf_counter() - start, not finite)
+        seconds = time.perf_counter() - start
+        return StepResult(
+            self.step, loss, grad_norm, lr, seconds, not finite, real_tokens, total_tokens
+        )
 
     @torch.no_grad()
     def evaluate(self, val: EvalSet, on_batch: Callable[[], None] = lambda: None):
@@ -191,9 +206,9 @@ class Trainer:
         device = self.mesh.device
         micro = self.mesh.layout.micro_batch
         totals = torch.zeros(2, dtype=torch.float64, device=device)
-        for inputs, labels in val.batches(self.mesh.dp_rank, self.mesh.dp, micro):
-            inputs, labels = inputs.to(device), labels.to(device)
-            totals[0] += cross_entropy(self.model(inputs), labels, 1.0).double()
+        for batch in val.batches(self.mesh.dp_rank, self.mesh.dp, micro):
+            inputs, labels, documents, _ = Batch.of(batch).to(device)
+            totals[0] += cross_entropy(self.model(inputs, documents), labels, 1.0).double()
             totals[1] += loss_tokens(labels)
             on_batch()
         if self.mesh.dp > 1:

@@ -279,7 +279,7 @@ def test_union_of_ranks_is_the_global_batch(dp_size):
     ref = loader_of(ds, gb, 0, 1, 0, seed)
     for step in range(12):  # 96 samples over 37 per epoch: crosses two epoch boundaries
         parts = [_local(ld) for ld in loaders]
-        inputs, labels = ref.global_batch_at(step * gb)
+        inputs, labels, *_ = ref.global_batch_at(step * gb)
         assert torch.equal(torch.cat([p[0] for p in parts]), inputs)
         assert torch.equal(torch.cat([p[1] for p in parts]), labels)
         assert all(
@@ -292,7 +292,7 @@ def test_micro_batches_split_the_local_slice():
     whole = loader_of(ds, 8, 1, 2, 0, 0)
     split = loader_of(ds, 8, 1, 2, 2, 0)
     for _ in range(3):
-        ((full_in, full_lab),) = whole.next_batch()
+        ((full_in, full_lab, *_),) = whole.next_batch()
         micro = split.next_batch()
         assert len(micro) == 2 and all(m[0].shape == (2, 4) for m in micro)
         assert torch.equal(torch.cat([m[0] for m in micro]), full_in)
@@ -319,7 +319,7 @@ def test_resume_on_another_dp_size(before, after):
         straight.next_batch()
     for _ in range(4):
         parts = [_local(ld) for ld in resumed]
-        ((expected_in, expected_lab),) = straight.next_batch()
+        ((expected_in, expected_lab, *_),) = straight.next_batch()
         assert torch.equal(torch.cat([p[0] for p in parts]), expected_in)
         assert torch.equal(torch.cat([p[1] for p in parts]), expected_lab)
     with pytest.raises(ConfigError) as e:
@@ -362,6 +362,6 @@ def test_build_data_main_then_ranks(tmp_path):
     assert tok.get_vocab_size() == VOCAB and tok1.to_str() == tok.to_str()
     micro0, micro1 = main.next_batch(), other.next_batch()
     assert len(micro0) == 2 and micro0[0][0].shape == (1, 32)
-    inputs, labels = main.global_batch_at(0)
+    inputs, labels, *_ = main.global_batch_at(0)
     assert torch.equal(torch.cat([m[0] for m in micro0 + micro1]), inputs)
     assert int(inputs.max()) < VOCAB

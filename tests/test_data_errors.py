@@ -197,12 +197,12 @@ def test_val_fraction_figures_describe_the_training_part(tok_dir, tmp_path):
     f.write_text("".join(json.dumps(r) + "\n" for r in records))
     cfg = job(tmp_path, tok_dir, path=str(f), val_fraction=0.25)
     data = build_run_data(cfg, RunLayout.build(cfg, 1), 0, True, lambda: None)
-    train, val = data.loader.dataset, data.val.dataset
+    train, val = data.loader.dataset, data.val.dataset.dataset  # the packed rows' samples
     whole = train.dataset
     assert len(train) + len(val) == whole.stats.samples == 39
 
     def loss_tokens(subset) -> int:
-        _, labels = subset.gather(np.arange(len(subset)))
+        _, labels, *_ = subset.gather(np.arange(len(subset)))
         return int((labels != -100).sum())
 
     # Was: the whole file's figures under train (39 samples), and no val entry.

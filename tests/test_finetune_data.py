@@ -117,7 +117,7 @@ def test_loss_only_on_assistant_turns_and_completion(tok_dirs, tmp_path):
     )
     assert loss_text(tok, ds, 1) == " 42<|endoftext|>"
     # The labels the loader hands out: the next token where it is a loss token, else -100.
-    inputs, labels = ds.gather([0, 1])
+    inputs, labels, *_ = ds.gather([0, 1])
     assert inputs.shape == labels.shape == (2, 128)
     assert torch.equal(labels != -100, torch.from_numpy(ds.targets[[0, 1], 1:]))
     keep = labels != -100
@@ -279,7 +279,7 @@ def test_eval_set_is_split_the_same_way_on_every_mesh(dp, micro):
     for rank in range(dp):
         batches = list(EvalSet(Rows(), "t").batches(rank, dp, micro))
         rounds.add(len(batches))
-        for inputs, labels in batches:
+        for inputs, labels, *_ in batches:
             assert inputs.shape == labels.shape == (micro, 4)
             seen += [int(r[0]) for r in labels if r[0] != -100]
     assert sorted(seen) == list(range(7))
@@ -294,12 +294,14 @@ def test_val_fraction_holds_out_a_fixed_part(tok_dirs, tmp_path):
     cfg.data.cache_dir, cfg.data.val_fraction = str(tmp_path / "cache"), 0.1
     cfg.model.vocab_size, cfg.train.seq_len, cfg.train.global_batch = 384, 16, 4
     data = build_run_data(cfg, RunLayout.build(cfg, 1), 0, True, lambda: None)
-    assert data.kind == "instruct" and len(data.val) == 4 and len(data.loader.dataset) == 36
-    held = set(data.val.dataset.indices.tolist())
+    rows = data.val.dataset  # packed rows (data.packing packed) of the held-out samples
+    assert data.kind == "instruct" and len(rows.dataset) == 4 and len(data.loader.dataset) == 36
+    assert sorted(np.concatenate(rows.rows).tolist()) == [0, 1, 2, 3] and len(data.val) < 4
+    held = set(rows.dataset.indices.tolist())
     assert not held & set(data.loader.dataset.indices.tolist())
     cfg.train.seed = 5  # the held-out part does not move with the training seed
     again = build_run_data(cfg, RunLayout.build(cfg, 1), 0, True, lambda: None)
-    assert set(again.val.dataset.indices.tolist()) == held
+    assert set(again.val.dataset.dataset.indices.tolist()) == held
 
 
 def test_a_sample_whose_loss_tokens_lie_beyond_seq_len_is_dropped_and_counted(tok_dirs, tmp_path):

@@ -36,9 +36,9 @@ class Scalars:
 
 
 def results():
-    """Five steps of 1024 tokens, the third one skipped (non-finite)."""
+    """Five steps of 128 real tokens (96 loss tokens), the third one skipped (non-finite)."""
     return [
-        StepResult(s, 5.0 - s / 4, 0.5 + s, 1e-3 * s, 0.25, skipped=s == 3) for s in range(1, 6)
+        StepResult(s, 5.0 - s / 4, 0.5 + s, 1e-3 * s, 0.25, s == 3, 128, 96) for s in range(1, 6)
     ]
 
 
@@ -67,7 +67,13 @@ def test_line_mode_prints_logged_and_validated_steps(one_rank, capsys):
         "step 5/5  loss 3.7500  lr 5.00e-03  grad_norm 5.500  tok_s 512  val_loss 2.0500  "
         "val_ppl 7.50",
     ]
-    train = ["train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s"]
+    train = [
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "perf/tokens_per_s",
+        "perf/loss_tokens_per_s",
+    ]
     train += ["perf/step_time_s", "perf/tflops_per_rank", "memory/peak_gib"]
     assert writer.logged == {
         1: ["memory/tensors_peak_gib"],
@@ -119,6 +125,7 @@ def test_the_plan_is_printed_at_the_start_and_beside_the_measurement_at_the_end(
         "val_loss": None,
         "data": {"kind": "text"},
         "tokens_per_s": 1234.5,
+        "loss_tokens_per_s": 567.8,
         "plan": measured,
         "time_s": 3.21,
         "peak_memory_bytes_per_rank": [3 * 2**29, 2**30],
@@ -128,7 +135,7 @@ def test_the_plan_is_printed_at_the_start_and_beside_the_measurement_at_the_end(
         "summary",
         "  steps          2",
         "  loss           5.0000 -> 4.0000",
-        "  tokens/s       1,234",
+        "  tokens/s       1,234 (real tokens, no padding), loss tokens/s 568",
         "  planned        0.3 s/step against 0.25 measured (+20%, uncalibrated), 1.5 GiB/rank "
         "against 2 measured (-25%, tensors, profile.memory)",
         "  time           3.2 s",

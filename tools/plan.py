@@ -448,10 +448,11 @@ def run_check(args, hw: hwlib.Hardware) -> int:
     gpus = min(mesh.world, args.gpus_per_node)
     cand = predict(cfg, mesh, hw, gpus, args.headroom)
     tokens = cfg.train.global_batch * cfg.train.seq_len
-    step = tokens / summary["tokens_per_s"]
+    # positions_per_s counts padding too (tokens_per_s, real tokens only, since packing)
+    step = tokens / summary.get("positions_per_s", summary["tokens_per_s"])
     peak = max(summary["peak_memory_bytes_per_rank"]) / 2**30
     devices = mesh.world if not hw.host_cores else math.ceil(mesh.world / gpus)
-    mfu = flops_per_token(cfg.model, cfg.train.seq_len) * summary["tokens_per_s"]
+    mfu = flops_per_token(cfg.model, cfg.train.seq_len) * tokens / step
     mfu /= hw.peak_flops * devices
     out = {
         "run_dir": args.check_run,

@@ -4,11 +4,13 @@ Only the main process trains the tokenizer and tokenizes the corpus; the others 
 barrier and then read its cached files. That keeps the expensive work to one process (the default
 run puts 4 processes on 2 cores) and guarantees every rank uses byte-identical data.
 
-Text data is packed into windows (packing.py); instruction data (instruct.py: .jsonl of
-prompt/completion or messages) is one padded sample per line with the loss on the completion.
-Validation data (data.val_path, or a data.val_fraction of data.path's samples held out) is built
-the same way and served by `EvalSet`, identically on every mesh. The data figures (RunData.stats,
-summary.json's `data`) describe the training samples only, and the held-out ones under `val`.
+Text data is packed into windows (packing.py), with data.document_mask on each window's
+documents masked apart; instruction data (instruct.py: .jsonl of prompt/completion or messages)
+is one sample per line with the loss on the completion, packed into rows (rows.py) or one padded
+row each (data.packing). Validation data (data.val_path, or a data.val_fraction of data.path's
+samples held out) must be of the training data's kind, is built and laid out the same way and
+served by `EvalSet`, identically on every mesh. The data figures (RunData.stats, summary.json's
+`data`) describe the training samples only, and the held-out ones under `val`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from tokenizers import Tokenizer
 
 from hybrid2d.config import JobConfig
+from hybrid2d.data.batch import Batch
 from hybrid2d.data.cache import atomic_path, cache_key, must_build, save_npy
 from hybrid2d.data.chat import load_chat_template
 from hybrid2d.data.corpus import corpus_identity, source_files
@@ -35,15 +38,17 @@ from hybrid2d.data.instruct import (
     build_instruction_arrays,
     is_instruction_file,
 )
-from hybrid2d.data.loader import GlobalBatchLoader
+from hybrid2d.data.loader import GlobalBatchLoader, PackingCounts
 from hybrid2d.data.packing import PackedDataset
-from hybrid2d.data.tokenizer import load_or_train_tokenizer, tokenizer_hash
+from hybrid2d.data.rows import first_fit_decreasing
+from hybrid2d.data.tokenizer import eos_id, load_or_train_tokenizer, tokenizer_hash
 from hybrid2d.data.tokens import tokenize_corpus
 from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
 
 DEFAULT_CACHE_DIR = "~/.cache/hybrid2d"
 VAL_SPLIT_SEED = 1234  # the held-out part of data.path does not move with train.seed
+PREVIEW_STEPS = 16  # packed steps the data line's packing figures are measured on
 
 
 def cache_dir_for(cfg: JobConfig) -> pathlib.Path:
@@ -51,24 +56,50 @@ def cache_dir_for(cfg: JobConfig) -> pathlib.Path:
 
 
 class Subset:
-    """Samples `indices` of a dataset, with the dataset's gather()."""
+    """Samples `indices` of a dataset, with the dataset's gather() (and sizes() and pack() where
+    it has them)."""
 
     def __init__(self, dataset, indices: np.ndarray):
         self.dataset = dataset
         self.indices = np.asarray(indices, dtype=np.int64)
+        self.seq_len = dataset.seq_len
 
     def __len__(self) -> int:
         return len(self.indices)
 
-    def gather(self, indices):
+    def gather(self, indices) -> Batch:
         return self.dataset.gather(self.indices[np.asarray(indices, dtype=np.int64)])
+
+    def sizes(self, indices) -> np.ndarray:
+        return self.dataset.sizes(self.indices[np.asarray(indices, dtype=np.int64)])
+
+    def pack(self, rows: list[np.ndarray]) -> Batch:
+        return self.dataset.pack([self.indices[r] for r in rows])
+
+
+class PackedRows:
+    """A held-out set's samples packed once by first-fit decreasing; row i is gather([i])'s.
+    The rows depend on the samples and seq_len alone, so every mesh evaluates the same rows."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+        self.rows = first_fit_decreasing(dataset.sizes(np.arange(len(dataset))), dataset.seq_len)
+        self.counts = PackingCounts()
+        self.counts.add(self.rows, dataset)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def gather(self, indices) -> Batch:
+        return self.dataset.pack([self.rows[i] for i in np.asarray(indices, dtype=np.int64)])
 
 
 @dataclass(eq=False)
 class EvalSet:
-    """A fixed held-out set, split the same way on every mesh: the samples padded (with samples
-    whose labels are all -100) to a multiple of dp x micro batch, rank r takes the r-th
-    contiguous part. The loss is summed over loss tokens and divided by their total."""
+    """A fixed held-out set, split the same way on every mesh: the rows (samples, or packed rows
+    of them) padded with rows whose labels are all -100 to a multiple of dp x micro batch, rank
+    r takes the r-th contiguous part. The loss is summed over loss tokens and divided by their
+    total."""
 
     dataset: object
     source: str
@@ -81,13 +112,29 @@ class EvalSet:
         per_rank = math.ceil(n / (dp_size * micro_batch)) * micro_batch
         for start in range(dp_rank * per_rank, (dp_rank + 1) * per_rank, micro_batch):
             real = np.arange(start, min(start + micro_batch, n))  # empty past the end
-            inputs, labels = self.dataset.gather(real if len(real) else np.array([0]))
+            batch = Batch.of(self.dataset.gather(real if len(real) else np.array([0])))
             pad = micro_batch - len(real)
             if pad:
-                fill = torch.full((pad, labels.shape[1]), IGNORE_INDEX, dtype=labels.dtype)
-                inputs = torch.cat([inputs[: len(real)], inputs[:1].expand(pad, -1)])
-                labels = torch.cat([labels[: len(real)], fill])
-            yield inputs, labels
+                batch = _with_empty_rows(batch.rows(0, len(real)), batch.rows(0, 1), pad)
+            yield batch
+
+
+def _with_empty_rows(batch: Batch, like: Batch, count: int) -> Batch:
+    """`batch` and `count` copies of the row `like` with no loss token and no real token."""
+    fill = like._replace(
+        labels=torch.full_like(like.labels, IGNORE_INDEX),
+        real_tokens=torch.zeros(1, dtype=torch.long),
+    )
+    fields = []
+    for got, extra in zip(batch, fill, strict=True):
+        if got is None and extra is None:
+            fields.append(None)
+        elif got is None:  # real_tokens None: every position of `batch` is real
+            fields.append(torch.cat([torch.full((len(batch.inputs),), batch.inputs.shape[1]),
+                                     extra.expand(count)]))  # fmt: skip
+        else:
+            fields.append(torch.cat([got, extra.expand(count, *extra.shape[1:])]))
+    return Batch(*fields)
 
 
 @dataclass
@@ -97,14 +144,39 @@ class RunData:
     val: EvalSet | None
     kind: str  # "text" | "instruct"
     stats: dict  # what the data summary says (instruction data: samples, truncated, ...)
+    layout: str = "windows"  # "windows" (text) | "packed" | "padded" (instruction data)
+    preview: dict | None = None  # packed: the figures of the first PREVIEW_STEPS steps' rows
 
     def describe(self) -> str:
         parts = [f"data: {self.kind}, {len(self.loader.dataset)} training samples"]
         if self.kind == "instruct":
-            parts.append(InstructStats(**self.stats["train_stats"]).describe())
+            stats = InstructStats(**self.stats["train_stats"])
+            parts.append(stats.describe(padded=self.layout == "padded"))
+        if self.preview is not None:
+            p = self.preview
+            parts.append(
+                f"packed by first-fit decreasing into rows of train.seq_len: "
+                f"{p['samples_per_row']:.2f} samples per row, padding {p['padding_fraction']:.0%}"
+                f", packing efficiency {p['packing_efficiency']:.0%} (first {PREVIEW_STEPS} "
+                "steps; data.packing padded: one sample per row)"
+            )
+        if self.stats.get("document_mask") == "on":
+            parts.append("document mask on: attention and positions within each document")
         if self.val is not None:
-            parts.append(f"validation: {len(self.val)} samples from {self.val.source}")
+            rows = self.val.dataset
+            packed = f" in {len(rows)} packed rows" if isinstance(rows, PackedRows) else ""
+            parts.append(f"validation: {self.stats.get('val_samples', len(self.val))} samples"
+                         f"{packed} from {self.val.source}")  # fmt: skip
         return "; ".join(parts)
+
+    def summary(self) -> dict:
+        """summary.json's `data`: the figures of the data, and of the rows this launch trained
+        on (packed: rows, samples per row, padding fraction, packing efficiency)."""
+        out = {"kind": self.kind, "layout": self.layout}
+        out |= {k: v for k, v in self.stats.items() if k not in ("train_stats", "val_samples")}
+        if self.layout == "packed":
+            out["packing"] = self.loader.served.to_dict()
+        return out
 
 
 def data_kind(cfg: JobConfig, files: list[pathlib.Path], setting: str = "data.path") -> str:
@@ -165,7 +237,45 @@ def _dataset(cfg: JobConfig, d, tok: Tokenizer, cache_dir, setting: str, build: 
         template = load_chat_template(d.tokenizer)
         return _instruct_cache(cfg, d, tok, template, cache_dir, setting, build), kind
     tokens = tokenize_corpus(d, tok, cache_dir, build=build, setting=setting)
-    return PackedDataset(tokens, cfg.train.seq_len, source=d.path), kind
+    eos = eos_id(tok) if cfg.data.document_mask == "on" else None
+    return PackedDataset(tokens, cfg.train.seq_len, source=d.path, eos=eos), kind
+
+
+def check_kinds(cfg: JobConfig, d, val_cfg) -> str:
+    """The training data's kind, after checking that the validation data has the same one and
+    that the layout settings fit it (file names and first lines only: cheap, on every rank)."""
+    kind = data_kind(cfg, source_files(d), "data.path")
+    if val_cfg is not None:
+        val_files = source_files(val_cfg, "data.val_path")
+        val_kind = data_kind(cfg, val_files, "data.val_path")
+        if val_kind != kind and any(map(_has_text, val_files)):  # empty: said when it is read
+            raise ConfigError(
+                f"data.val_path={d.val_path!r} is {_KIND_NAME[val_kind]} but data.path="
+                f"{d.path!r} is {_KIND_NAME[kind]}: validation is measured on the training "
+                "data's kind; give a held-out file of the same format (or use data.val_fraction)"
+            )
+    if kind == "text" and cfg.data.packing == "padded":
+        raise ConfigError(
+            f"data.packing=padded is for instruction data, but data.path={d.path!r} is text "
+            "(its windows hold no padding); leave data.packing at packed, or use "
+            "data.document_mask on to keep attention within documents"
+        )
+    if kind == "instruct" and cfg.data.document_mask == "on":
+        raise ConfigError(
+            f"data.document_mask=on is for text data, but data.path={d.path!r} is instruction "
+            "data, whose samples are always apart (packed rows mask them apart, padded rows "
+            "hold one each); leave data.document_mask at off"
+        )
+    return kind
+
+
+def _has_text(path: pathlib.Path) -> bool:
+    """True if the file holds a line that is not blank (read up to the first such line)."""
+    with open(path, "rb") as f:
+        return any(line.strip() for line in f)
+
+
+_KIND_NAME = {"text": "text data", "instruct": "instruction data (prompt/completion or messages)"}
 
 
 def _val_config(data):
@@ -187,8 +297,8 @@ def build_run_data(
     cache_dir = cache_dir_for(cfg)
     # Cheap checks on every rank first, so a bad data.path fails everywhere at once instead of
     # leaving the other ranks waiting at the barrier for a main process that already died.
-    source_files(d)
     val_cfg = _val_config(d)
+    kind = check_kinds(cfg, d, val_cfg)
     if d.tokenizer:
         load_or_train_tokenizer(d, vocab_size, cache_dir, build=False)
     if is_main:
@@ -199,12 +309,13 @@ def build_run_data(
     barrier()
     tok = load_or_train_tokenizer(d, vocab_size, cache_dir, build=False)
     dataset, kind = _dataset(cfg, d, tok, cache_dir, "data.path", build=False)
+    packed = kind == "instruct" and d.packing == "packed"
     train_stats = dataset.stats if kind == "instruct" else None
     val_stats = None
-    val = None
+    val_ds = None
     if val_cfg is not None:
         val_ds, _ = _dataset(cfg, val_cfg, tok, cache_dir, "data.val_path", build=False)
-        val = EvalSet(val_ds, repr(d.val_path))
+        source = repr(d.val_path)
         if isinstance(val_ds, InstructionDataset):
             val_stats = val_ds.stats
     elif d.val_fraction:
@@ -218,19 +329,37 @@ def build_run_data(
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(VAL_SPLIT_SEED))
         held = np.sort(perm[:n_val].numpy())
         kept = np.sort(perm[n_val:].numpy())
-        val = EvalSet(Subset(dataset, held), f"{d.val_fraction:g} of data.path")
+        val_ds, source = Subset(dataset, held), f"{d.val_fraction:g} of data.path"
         if train_stats is not None:  # the held-out samples are not training data
             train_stats = dataset.stats_of(kept, dropped=dataset.stats.dropped)
             val_stats = dataset.stats_of(held)
         dataset = Subset(dataset, kept)
+    val = None
     stats: dict = {}
+    if val_ds is not None:
+        stats["val_samples"] = len(val_ds)
+        val = EvalSet(PackedRows(val_ds) if packed else val_ds, source)
+    loader = GlobalBatchLoader(dataset, layout, dp_rank, t.seed, packed=packed)
+    preview = None
+    if packed:
+        preview = PackingCounts()
+        consumed = 0
+        for _ in range(PREVIEW_STEPS):
+            rows, k = loader.step_rows(consumed)
+            preview.add(rows, dataset)
+            consumed += k
+        preview = preview.to_dict()
     if train_stats is not None:
         stats["train_stats"] = dataclasses.asdict(train_stats)
         stats["train"] = train_stats.to_dict()
     if val_stats is not None:
         stats["val"] = val_stats.to_dict()
-    loader = GlobalBatchLoader(dataset, layout, dp_rank, t.seed)
-    return RunData(loader, tok, val, kind, stats)
+        if packed:
+            stats["val"]["packing"] = val.dataset.counts.to_dict()
+    if kind == "text":
+        stats["document_mask"] = d.document_mask
+    layout_name = "windows" if kind == "text" else d.packing
+    return RunData(loader, tok, val, kind, stats, layout_name, preview)
 
 
 def build_data(

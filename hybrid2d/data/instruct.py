@@ -10,13 +10,14 @@ end-of-turn marker). Where an assistant turn is in the text is found by renderin
 conversation up to it with the generation prompt and up to its end: the turn is what the second
 adds to the first. Tokens are labelled by their character offsets.
 
-Samples are not packed: each is one row of train.seq_len positions (padded when gathered; the
-cache holds one flat token array, memory-mapped by every rank), padded with labels -100
-(ignore_index) that the loss does not count. With the model's causal attention a sample can
-therefore never attend to a neighbour's tokens, without any document mask; the price is the
-compute spent on padding, which the data summary reports. A sample longer than seq_len + 1
-tokens is cut to that length and counted as truncated; one whose loss tokens all lie beyond it
-is dropped and counted.
+The cache holds one flat token array (memory-mapped by every rank); rows are made when
+gathered, in one of two layouts (data.packing): padded, one sample per row of train.seq_len
+positions (`gather`), or packed, several samples per row as rows.py places them (`pack`), each
+sample its own document (attention stays inside it and RoPE positions restart at its start, so
+its logits are those it has alone in a padded row). Either way the positions no sample fills
+hold the pad id with labels -100 (ignore_index) that the loss does not count, and packed rows
+give that tail a document of its own. A sample longer than seq_len + 1 tokens is cut to that
+length and counted as truncated; one whose loss tokens all lie beyond it is dropped and counted.
 
 Bad data (not UTF-8, not JSON, neither format, an unknown role, a template that refuses the
 conversation, a sample with no loss tokens) is one ConfigError line naming the file and line.
@@ -35,6 +36,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from hybrid2d.data.batch import Batch
 from hybrid2d.data.chat import ChatTemplate, TemplateRenderError
 from hybrid2d.data.corpus import INSTRUCTION_KEYS, not_utf8
 from hybrid2d.data.tokenizer import eos_id, leading_special_ids, special_tokens_as_text
@@ -78,11 +80,15 @@ class InstructStats:
             "padding_fraction": round(self.padding_fraction, 4)
         }
 
-    def describe(self) -> str:
+    def describe(self, padded: bool = True) -> str:
+        """The counts, and the padding one padded row per sample has (`padded`: the rows
+        trained on; else the figure packing is compared with)."""
+        padding = f"{self.padding_fraction:.0%} of positions"
         return (
             f"{self.samples} samples, {self.truncated} truncated to train.seq_len, "
             f"{self.dropped} dropped (no loss token within train.seq_len), "
-            f"{self.loss_tokens} loss tokens, padding {self.padding_fraction:.0%} of positions"
+            f"{self.loss_tokens} loss tokens, "
+            + (f"padding {padding}" if padded else f"one row each would be {padding} padding")
         )
 
 
@@ -138,12 +144,44 @@ class InstructionDataset:
     def targets(self) -> np.ndarray:
         return self.rows(range(len(self)))[1]
 
-    def gather(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, labels) LongTensors [len(indices), seq_len]; labels -100 off the loss."""
+    def sizes(self, indices) -> np.ndarray:
+        """Positions each sample fills in a row (its tokens - 1)."""
+        idx = np.asarray(indices, dtype=np.int64)
+        return self.offsets[idx + 1] - self.offsets[idx] - 1
+
+    def gather(self, indices) -> Batch:
+        """One padded row per sample: inputs and labels [len(indices), seq_len], labels -100 off
+        the loss; no documents (a row is one sequence)."""
         ids, mask = self.rows(indices)
         ids = torch.from_numpy(ids)
         labels = ids[:, 1:].masked_fill(~torch.from_numpy(mask[:, 1:]), IGNORE_INDEX)
-        return ids[:, :-1].contiguous(), labels
+        real = torch.from_numpy(self.sizes(indices))
+        return Batch(ids[:, :-1].contiguous(), labels, None, real)
+
+    def pack(self, rows: list[np.ndarray]) -> Batch:
+        """Packed rows: row r holds the samples rows[r] one after another, sample j of a row
+        document j, the tail after them padding (document len(rows[r]), labels -100)."""
+        n, s = len(rows), self.seq_len
+        ids = np.full((n, s), self.pad_id, dtype=np.int64)
+        labels = np.full((n, s), IGNORE_INDEX, dtype=np.int64)
+        docs = np.zeros((n, s), dtype=np.int64)
+        real = np.zeros(n, dtype=np.int64)
+        for r, samples in enumerate(rows):
+            pos = 0
+            for d, i in enumerate(samples):
+                lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
+                end = pos + hi - lo - 1
+                if end > s:
+                    raise ValueError(f"row {r} overflows seq_len={s}: samples {list(samples)}")
+                ids[r, pos:end] = self.tokens[lo : hi - 1]
+                target = self.tokens[lo + 1 : hi]
+                labels[r, pos:end] = np.where(self.targets_flat[lo + 1 : hi], target, IGNORE_INDEX)
+                docs[r, pos:end] = d
+                pos = end
+            docs[r, pos:] = len(samples)
+            real[r] = pos
+        t = torch.from_numpy
+        return Batch(t(ids), t(labels), t(docs), t(real))
 
 
 def _bad(where: str, what: str) -> ConfigError:

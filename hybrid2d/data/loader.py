@@ -5,6 +5,11 @@ samples consumed globally. A step's global batch is therefore the same whatever 
 which is what lets a run resume on a different mesh and still see exactly the data a straight
 run would have, and what lets tests compare the union of the ranks' slices with a
 single-process reference.
+
+A step is global_batch rows. Unpacked, a row is one sample (a text window, or an instruction
+sample padded); packed (instruction data, data.packing packed), the rows hold as many samples
+from the stream as first-fit decreasing places in them (rows.py), so a step consumes a varying
+number of samples, but which ones depends only on the position and never on the mesh.
 """
 
 from __future__ import annotations
@@ -12,21 +17,25 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hybrid2d.data.packing import PackedDataset
+from hybrid2d.data.batch import Batch
+from hybrid2d.data.rows import fill_rows
 from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
 
 
 class GlobalBatchLoader:
-    """Global step s covers global sample positions [consumed, consumed + global_batch).
+    """Global step s covers global sample positions [consumed, consumed + k) (k = global_batch
+    unpacked, the samples packed into global_batch rows packed).
 
     Position p belongs to epoch p // N (N = len(dataset)) and maps to sample perm_e[p % N], where
     perm_e = torch.randperm(N) drawn from a generator seeded with seed + epoch. Rank r of dp_size
-    takes the contiguous slice [r*B/dp, (r+1)*B/dp) of the step's positions and splits it into
-    micro batches of the layout's micro batch size.
+    takes the contiguous rows [r*B/dp, (r+1)*B/dp) of the step and splits them into micro
+    batches of the layout's micro batch size.
     """
 
-    def __init__(self, dataset: PackedDataset, layout: RunLayout, dp_rank: int, seed: int = 0):
+    def __init__(
+        self, dataset, layout: RunLayout, dp_rank: int, seed: int = 0, packed: bool = False
+    ):
         if not 0 <= dp_rank < layout.dp:
             raise ValueError(f"dp_rank={dp_rank} is not in [0, dp={layout.dp})")
         self.dataset = dataset
@@ -36,7 +45,9 @@ class GlobalBatchLoader:
         self.local_batch = layout.local_batch
         self.micro_batch = layout.micro_batch
         self.seed = seed
+        self.packed = packed  # the dataset has sizes() and pack() (instruction samples)
         self.samples_consumed = 0
+        self.served = PackingCounts()  # the global rows of this launch's steps
         self._perms: dict[int, np.ndarray] = {}
 
     @property
@@ -65,20 +76,41 @@ class GlobalBatchLoader:
             out[mask] = self._perm(int(e))[within[mask]]
         return out
 
-    def global_batch_at(self, consumed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, labels) of all global_batch samples of the step starting at `consumed`."""
+    def step_rows(self, consumed: int) -> tuple[list[np.ndarray], int]:
+        """Packed: the dataset indices of each of the step's global_batch rows, and how many
+        samples of the stream from `consumed` on they hold."""
+        capacity = self.dataset.seq_len
+        need = self.global_batch * capacity
+        chunk = 4 * self.global_batch
+        indices = self.sample_indices(consumed, chunk)
+        sizes = self.dataset.sizes(indices)
+        while sizes.sum() <= need:  # enough of the stream to fill every row
+            more = self.sample_indices(consumed + len(indices), chunk)
+            indices = np.concatenate([indices, more])
+            sizes = np.concatenate([sizes, self.dataset.sizes(more)])
+        k, rows = fill_rows(sizes, capacity, self.global_batch)
+        return [indices[r] for r in rows], k
+
+    def global_batch_at(self, consumed: int) -> Batch:
+        """All global_batch rows of the step starting at `consumed`."""
+        if self.packed:
+            return self.dataset.pack(self.step_rows(consumed)[0])
         return self.dataset.gather(self.sample_indices(consumed, self.global_batch))
 
-    def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's micro batches [(inputs, labels), ...] for the next step; advances state."""
-        start = self.samples_consumed + self.dp_rank * self.local_batch
-        inputs, labels = self.dataset.gather(self.sample_indices(start, self.local_batch))
-        self.samples_consumed += self.global_batch
+    def next_batch(self) -> list[Batch]:
+        """This rank's micro batches for the next step; advances state."""
+        lo = self.dp_rank * self.local_batch
+        if self.packed:
+            rows, k = self.step_rows(self.samples_consumed)
+            self.served.add(rows, self.dataset)
+            batch = self.dataset.pack(rows[lo : lo + self.local_batch])
+        else:
+            k = self.global_batch
+            start = self.samples_consumed + lo
+            batch = self.dataset.gather(self.sample_indices(start, self.local_batch))
+        self.samples_consumed += k
         mb = self.micro_batch
-        return [
-            (inputs[i : i + mb].contiguous(), labels[i : i + mb].contiguous())
-            for i in range(0, self.local_batch, mb)
-        ]
+        return [batch.rows(i, i + mb) for i in range(0, self.local_batch, mb)]
 
     def state_dict(self) -> dict:
         return {"samples_consumed": self.samples_consumed, "seed": self.seed}
@@ -92,3 +124,30 @@ class GlobalBatchLoader:
                 "the data order"
             )
         self.samples_consumed = int(state["samples_consumed"])
+
+
+class PackingCounts:
+    """Rows, samples and the positions they fill, summed over packed steps (the same on every
+    rank: each computes the global rows)."""
+
+    def __init__(self):
+        self.rows = self.samples = self.positions = 0
+        self.capacity = 0  # positions per row
+
+    def add(self, rows: list[np.ndarray], dataset) -> None:
+        self.rows += len(rows)
+        self.samples += sum(len(r) for r in rows)
+        self.positions += int(sum(dataset.sizes(r).sum() for r in rows if len(r)))
+        self.capacity = dataset.seq_len
+
+    def to_dict(self) -> dict:
+        """samples per row, padding fraction and packing efficiency (the fraction of positions
+        holding tokens) of the rows counted."""
+        total = max(self.rows * self.capacity, 1)
+        return {
+            "rows": self.rows,
+            "samples": self.samples,
+            "samples_per_row": round(self.samples / max(self.rows, 1), 4),
+            "padding_fraction": round(1 - self.positions / total, 4),
+            "packing_efficiency": round(self.positions / total, 4),
+        }

@@ -73,10 +73,12 @@ class RunProgress:
         self.device = mesh.device
         self.writer = writer
         self.bar = _progress(cfg.train.steps, cfg.metrics.progress_bar)
-        self.tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
+        self.positions_per_step = cfg.train.global_batch * cfg.train.seq_len
         self.flops_per_token = flops_per_token(mesh.layout.model, cfg.train.seq_len)
         self.losses: list[float] = []
         self.times: list[float] = []  # seconds per step
+        self.tokens: list[int] = []  # real (non-padding) tokens per step
+        self.loss_tokens: list[int] = []  # loss tokens per step
         self.evals: list[dict] = []  # {step, loss, ppl} per validation
 
     def step(self, result, memory_scalars: dict[str, float]) -> None:
@@ -86,8 +88,11 @@ class RunProgress:
             print0(f"step {result.step}: non-finite loss/grad norm, update skipped")
         self.losses.append(result.loss)
         self.times.append(result.seconds)
+        self.tokens.append(result.tokens)
+        self.loss_tokens.append(result.loss_tokens)
         if self._logged(result.step):
-            tps = self.tokens_per_step / result.seconds
+            # Real tokens, not padding: what a packed and a padded run are compared by.
+            tps = result.tokens / result.seconds
             tflops_per_rank = self.flops_per_token * tps / dist.get_world_size() / 1e12
             self.writer.scalars(
                 result.step,
@@ -96,6 +101,7 @@ class RunProgress:
                     "train/lr": result.lr,
                     "train/grad_norm": result.grad_norm,
                     "perf/tokens_per_s": tps,
+                    "perf/loss_tokens_per_s": result.loss_tokens / result.seconds,
                     "perf/step_time_s": result.seconds,
                     "perf/tflops_per_rank": tflops_per_rank,
                     "memory/peak_gib": peak_memory_bytes(self.device) / 2**30,
@@ -117,7 +123,7 @@ class RunProgress:
             "loss": f"{result.loss:.4f}",
             "lr": f"{result.lr:.2e}",
             "grad_norm": f"{result.grad_norm:.3f}",
-            "tok_s": f"{self.tokens_per_step / result.seconds:,.0f}",
+            "tok_s": f"{result.tokens / result.seconds:,.0f}",
         }
         evaluated = bool(self.evals) and self.evals[-1]["step"] == result.step
         if self.evals and (evaluated or isinstance(self.bar, _Bar)):  # a line: only when it ran

@@ -44,6 +44,20 @@ def against_plan(plan: dict, steady: list[float], tensor_peaks: list, on_cuda: b
     return plan
 
 
+def throughput(progress: RunProgress, skip: int) -> dict:
+    """tokens_per_s (real tokens), loss_tokens_per_s and positions_per_s over the steps after the
+    first `skip`."""
+    seconds = sum(progress.times[skip:])
+    if not seconds:
+        return {"tokens_per_s": 0.0, "loss_tokens_per_s": 0.0, "positions_per_s": 0.0}
+    steps = len(progress.times) - skip
+    return {
+        "tokens_per_s": sum(progress.tokens[skip:]) / seconds,
+        "loss_tokens_per_s": sum(progress.loss_tokens[skip:]) / seconds,
+        "positions_per_s": progress.positions_per_step * steps / seconds,
+    }
+
+
 def run_summary(
     progress: RunProgress,
     mesh: Mesh,
@@ -77,14 +91,16 @@ def run_summary(
         "last_loss": losses[-1] if losses else None,
         "losses": losses,
         "skipped_steps": skipped_steps,
-        "tokens_per_s": progress.tokens_per_step * len(steady) / sum(steady) if steady else 0.0,
+        # real (non-padding) tokens and loss tokens per second over the steady steps; positions
+        # (padding included: global_batch x seq_len per step) for the step time
+        **throughput(progress, skip=len(times) - len(steady)),
         "time_s": time_s,
         "peak_memory_bytes_per_rank": peaks,
         "run_dir": run_dir,
         "resumed_from": None if resumed_from is None else str(resumed_from),
         "checkpoints": checkpoints,
         "preempted": preempted,  # a signal on any rank stopped the run
-        "data": {"kind": data.kind, **{k: v for k, v in data.stats.items() if k != "train_stats"}},
+        "data": data.summary(),
         "val": evals,
         "val_loss": evals[-1]["loss"] if evals else None,
         "val_ppl": evals[-1]["ppl"] if evals else None,
@@ -147,7 +163,17 @@ def format_summary(s: dict) -> str:
             f"  truncated      {train['truncated']} samples "
             f"({train['dropped']} dropped: no loss token within seq_len)"
         )
-    lines.append(f"  tokens/s       {s['tokens_per_s']:,.0f}")
+    if packing := s.get("data", {}).get("packing"):
+        lines.append(
+            f"  packed         {packing['samples']} samples in {packing['rows']} rows "
+            f"({packing['samples_per_row']:.2f} per row), padding "
+            f"{packing['padding_fraction']:.0%}, packing efficiency "
+            f"{packing['packing_efficiency']:.0%}"
+        )
+    lines.append(
+        f"  tokens/s       {s['tokens_per_s']:,.0f} (real tokens, no padding), loss tokens/s "
+        f"{s.get('loss_tokens_per_s', 0.0):,.0f}"
+    )
     if "step_error" in s.get("plan", {}):
         lines.append(_plan_line(s["plan"]))
     peaks = ", ".join(f"{b / 2**20:.0f}" for b in s["peak_memory_bytes_per_rank"])
