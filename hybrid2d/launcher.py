@@ -1,11 +1,20 @@
 """What the launcher (torchrun, accelerate launch) tells a process: its rank, the world, and the
 mesh sizes of an accelerate config. Plain Python, so the recipe can check every setting against
 the world, and the files settings name, before torch is imported (a mistyped size or a missing
-path fails in 0.3 s, not 4 to 13 s)."""
+path fails in 0.3 s, not 4 to 13 s).
+
+Also the launcher's two ways of ending a rank before training is under way, each set up here
+because it must hold from the first line on, while torch still loads: the launcher's death
+(`exit_with_launcher`) and a preemption signal during start-up (`stop_start_up_on_signals`).
+"""
 
 from __future__ import annotations
 
 import os
+import signal
+import sys
+import threading
+import time
 
 from hybrid2d.config import JobConfig
 from hybrid2d.errors import ConfigError
@@ -98,3 +107,110 @@ def check_before_torch(cfg: JobConfig, set_on_cli: set[str] | frozenset[str]) ->
             data_source(value, setting)
     if cfg.data.tokenizer:
         tokenizer_file(cfg.data.tokenizer)
+
+
+# -- the launcher's end and signals before the first step ---------------------------------------
+
+LAUNCHER_GONE_EXIT = 1  # read by whoever reaps the orphan (a scheduler's step daemon, a subreaper)
+_watching: list[threading.Thread] = []
+
+
+def launched_by() -> str | None:
+    """'torchrun' or 'accelerate launch' when one of them started this process, else None.
+    accelerate's multi-process launch runs torchrun's agent in its own process (TORCHELASTIC_*);
+    its one-process launch sets ACCELERATE_MIXED_PRECISION, as it does for every process."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return "torchrun"
+    if os.environ.get("ACCELERATE_MIXED_PRECISION"):
+        return "accelerate launch"
+    return None
+
+
+def exit_with_launcher(interval_s: float = 0.5) -> None:
+    """Under a launcher, end this process with one line within interval_s of the launcher's
+    death. A `kill -9` of torchrun or accelerate leaves its ranks running (the launcher has no
+    chance to stop them), training on and holding the devices and the run dir's lock.
+
+    A thread watches the parent pid (an orphan is handed to another parent). Not
+    prctl(PR_SET_PDEATHSIG): its signal is handled by Python on the main thread only, which may
+    sit in a long C call (a collective, a kernel) for as long as the thread would have waited;
+    the thread runs whenever the main thread releases the GIL, as torch's kernels and collectives
+    do. os._exit, not an exception: the main thread may be anywhere. A checkpoint save in flight
+    is abandoned in its step-N.tmp directory, which is never published (no `latest` points to
+    it), and the kernel drops the run dir's flock with the process. Without a launcher (`python
+    recipes/llama.py` under nohup, say) the parent's end is no reason to stop."""
+    launcher = launched_by()
+    if launcher is None or _watching:
+        return
+    parent = os.getppid()
+    rank = os.environ.get("RANK", "0")
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        try:
+            print(
+                f"error: rank {rank}: its launcher ({launcher}, pid {parent}) is gone, so this "
+                "rank stops now: nothing is saved after the newest checkpoint; relaunch with "
+                "--checkpoint.resume auto",
+                file=sys.stderr,
+                flush=True,
+            )
+        except OSError:  # the launcher held the only reader of our stderr
+            pass
+        os._exit(LAUNCHER_GONE_EXIT)
+
+    thread = threading.Thread(target=watch, name="hybrid2d-launcher-watch", daemon=True)
+    thread.start()
+    _watching.append(thread)
+
+
+def preemption_signals() -> tuple[signal.Signals, ...]:
+    """SIGUSR1 and SIGINT always. SIGTERM too, unless the launcher restarts failed workers
+    (torchrun --max_restarts > 0): its agent stops the surviving ranks with SIGTERM after a
+    failure and restarts them, which must not be mistaken for a preemption."""
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0:
+        return (signal.SIGINT, signal.SIGUSR1)
+    return (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
+class PreemptedAtStartUp(BaseException):
+    """A preemption signal came before the first step: there is nothing to save, so start-up
+    stops where it is. A BaseException, as KeyboardInterrupt is, so no `except Exception` on the
+    way swallows it."""
+
+    def __init__(self, signum: int):
+        self.signal_name = signal.Signals(signum).name
+        super().__init__(
+            f"{self.signal_name} before the first step: stopped, nothing was trained or saved; "
+            "relaunch the same command"
+        )
+
+
+_before_start_up: dict[int, object] = {}  # signal -> the handler stop_start_up replaced
+
+
+def _stop_start_up(signum, frame) -> None:
+    for sig in _before_start_up:  # stopping already: a second signal must not interrupt that
+        signal.signal(sig, signal.SIG_IGN)
+    raise PreemptedAtStartUp(signum)
+
+
+def stop_start_up_on_signals() -> None:
+    """Until the run's Preemption takes over (before the first step), a preemption signal
+    (SIGTERM, SIGUSR1; Ctrl-C is KeyboardInterrupt already) raises PreemptedAtStartUp: the run
+    exits at once with one line and the preemption's exit code, instead of dying of the signal
+    with a traceback from each rank's launcher. Main thread only (Python's rule for handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in preemption_signals():
+        if sig != signal.SIGINT and signal.getsignal(sig) is not _stop_start_up:
+            _before_start_up[sig] = signal.signal(sig, _stop_start_up)
+
+
+def handler_before_start_up(sig: int, handler):
+    """The handler to restore in place of `handler`: if it is start-up's, the one start-up
+    replaced (a signal after the run must not claim to come before its first step)."""
+    if handler is _stop_start_up:
+        return _before_start_up.pop(sig, signal.SIG_DFL)
+    return handler

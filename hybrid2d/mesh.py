@@ -232,8 +232,36 @@ def collective_failure(error: BaseException) -> str | None:
         return first
     if _GLOO_LOCATION.match(text):  # gloo raises plain RuntimeErrors
         advice = first.find(". This is typically")  # gloo's generic advice, not this failure's
-        return "gloo: " + _GLOO_LOCATION.sub("", first[: advice if advice > 0 else None])
+        reason = "gloo: " + _GLOO_LOCATION.sub("", first[: advice if advice > 0 else None])
+        return reason + _collective_in(error)
     return None
+
+
+def _collective_in(error: BaseException) -> str:
+    """' in all_reduce over ranks [0, 1]': the collective a gloo error came from, read from its
+    traceback (gloo's message names neither the collective nor the group; the shared-memory
+    backend's does). The innermost public function of torch.distributed is the collective
+    (or, for an async one waited on elsewhere, the function that waited: FSDP's or DTensor's);
+    its `group` argument the group. '' when no torch.distributed frame is there. gloo cannot
+    tell which peer did not come: every rank of the group that did come times out alike."""
+    frame = None
+    tb = error.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        public = not code.co_name.startswith("_") and code.co_name != "wrapper"
+        if public and "/torch/distributed/" in code.co_filename.replace(os.sep, "/"):
+            frame = tb.tb_frame
+        tb = tb.tb_next
+    if frame is None:
+        return ""
+    where = f" in {frame.f_code.co_name}"
+    if "group" not in frame.f_locals:  # a function that waited: its group is not its argument
+        return where
+    try:
+        ranks = dist.get_process_group_ranks(frame.f_locals["group"] or dist.group.WORLD)
+    except (RuntimeError, ValueError, AttributeError, TypeError):  # not a group, or destroyed
+        return where
+    return f"{where} over ranks {ranks}"
 
 
 def as_collective_error(error: BaseException, timeout_s: int) -> CollectiveError | None:

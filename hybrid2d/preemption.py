@@ -1,7 +1,9 @@
 """Preemption: SIGTERM (or SIGUSR1, which SLURM can send ahead of time with --signal) asks the
 run to save a checkpoint at the current step and exit cleanly. Under torchrun --max_restarts
 only SIGUSR1 does (see preemption_signals). Ctrl-C (SIGINT) does the same, and says so at once;
-a second Ctrl-C stops at once, without that checkpoint (KeyboardInterrupt).
+a second Ctrl-C stops at once, without that checkpoint (KeyboardInterrupt). Before the first
+step there is nothing to save: launcher.stop_start_up_on_signals stops the start-up at once, and
+this object takes over from it.
 
 Signals reach ranks at slightly different moments, so the handler only sets a flag; once per
 step the ranks agree (a one-element MAX all-reduce) and all stop after the same step. A rank can
@@ -32,15 +34,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-
-def preemption_signals() -> tuple[signal.Signals, ...]:
-    """SIGUSR1 and SIGINT always. SIGTERM too, unless the launcher restarts failed workers
-    (torchrun --max_restarts > 0): its agent stops the surviving ranks with SIGTERM after a
-    failure and restarts them, which must not be mistaken for a preemption."""
-    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0:
-        return (signal.SIGINT, signal.SIGUSR1)
-    return (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
-
+from hybrid2d.launcher import handler_before_start_up, preemption_signals
 
 _CTRL_C = "\nCtrl-C: stopping after this step with a checkpoint (again: stop now, without it)\n"
 
@@ -69,7 +63,8 @@ class Preemption:
         self._watchdog: threading.Thread | None = None
         if threading.current_thread() is threading.main_thread():
             for sig in preemption_signals():
-                self._previous[sig] = signal.signal(sig, self._handle)
+                previous = signal.signal(sig, self._handle)  # start-up's ends here
+                self._previous[sig] = handler_before_start_up(sig, previous)
             if timeout_s is not None:
                 self._start_watchdog()
 

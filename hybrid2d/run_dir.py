@@ -17,6 +17,7 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -95,10 +96,12 @@ def acquire_lock(run_dir: str) -> None:
     _held.append((path, fd))
 
 
-def release_locks() -> None:
+def release_locks(discard_created: bool = False) -> None:
     """Give up every lock this process holds (the file is removed first, under the lock), and
     remove a run directory this process made if nothing was written into it (a refused launch
-    leaves no empty directory behind)."""
+    leaves no empty directory behind). discard_created: remove it with what it holds (a start-up
+    stopped by a preemption signal wrote config.json and a TensorBoard file but trained nothing,
+    and a relaunch would refuse them as an earlier run)."""
     while _held:
         path, fd = _held.pop()
         with contextlib.suppress(OSError):
@@ -106,8 +109,11 @@ def release_locks() -> None:
                 os.unlink(path)
         os.close(fd)
     while _created:
+        path = _created.pop()
+        if discard_created:
+            shutil.rmtree(path, ignore_errors=True)
         with contextlib.suppress(OSError):  # not empty: the run wrote into it
-            os.rmdir(_created.pop())
+            os.rmdir(path)
 
 
 atexit.register(release_locks)

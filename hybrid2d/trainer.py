@@ -19,7 +19,7 @@ from hybrid2d.data import EvalSet, build_run_data
 from hybrid2d.data.batch import Batch
 from hybrid2d.data.chat import tokenizer_side_files
 from hybrid2d.errors import ConfigError
-from hybrid2d.launcher import world_from_env
+from hybrid2d.launcher import PreemptedAtStartUp, world_from_env
 from hybrid2d.mesh import (
     Mesh,
     agree_on_settings,
@@ -241,6 +241,7 @@ def run(cfg: JobConfig, set_on_cli: frozenset[str] | set[str] = frozenset()) -> 
         set_cpu_threads()
     init_distributed(device_type, cfg.parallel.timeout_s, cfg.parallel.shm_collectives)
     failed_alone = False
+    stopped_at_start_up = False
     try:
         # Before any group is built, over the default one. data.cache_dir may be node-local.
         settings = cfg.to_dict()
@@ -255,6 +256,9 @@ def run(cfg: JobConfig, set_on_cli: frozenset[str] | set[str] = frozenset()) -> 
         return _train(cfg, mesh, plan)
     except (ConfigError, FloatingPointError):
         raise  # raised on every rank together (mesh.agree, the same non-finite branch)
+    except PreemptedAtStartUp:  # maybe on this rank alone: do not wait for the peers
+        failed_alone = stopped_at_start_up = True
+        raise
     except BaseException as e:
         failed_alone = True  # e.g. a collective timed out: the peers may never come
         failed = as_collective_error(e, cfg.parallel.timeout_s)
@@ -262,7 +266,7 @@ def run(cfg: JobConfig, set_on_cli: frozenset[str] | set[str] = frozenset()) -> 
             raise
         raise failed from e
     finally:
-        release_locks()
+        release_locks(discard_created=stopped_at_start_up)  # a relaunch finds no earlier run
         shutdown_distributed(wait_for_peers=not failed_alone)
 
 

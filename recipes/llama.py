@@ -15,7 +15,12 @@ import time
 from hybrid2d import recipes
 from hybrid2d.cli import OneLineParser, apply_overrides, describe, print_help, run_and_exit
 from hybrid2d.errors import ConfigError
-from hybrid2d.launcher import check_before_torch
+from hybrid2d.launcher import (
+    PreemptedAtStartUp,
+    check_before_torch,
+    exit_with_launcher,
+    stop_start_up_on_signals,
+)
 
 DESCRIPTION = (
     "hybrid2d trainer: a recipe's settings, changed with --section.field value. "
@@ -41,6 +46,8 @@ def parse(argv: list[str]):
 
 def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", 0))
+    exit_with_launcher()  # a kill -9 of the launcher must not leave this rank training
+    stop_start_up_on_signals()  # SIGTERM before the first step: stop now (there is no step)
     try:
         args, rest = parse(sys.argv[1:] if argv is None else argv)
         if args.list:
@@ -64,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         except CollectiveError as e:  # a rank alone: every rank says what it saw
             print(f"error: {e}", file=sys.stderr, flush=True)
             return 4
+    except PreemptedAtStartUp as e:  # a preemption with nothing to save: as one, exit 0
+        if rank == 0:
+            print(e, flush=True)
+        return 0
     except KeyboardInterrupt:  # Ctrl-C before training, or a second one during it
         if rank == 0:
             print(

@@ -369,3 +369,31 @@ def test_a_failed_collective_is_told_from_a_bug(error, reason):
     the shared-memory backend (DistBackendError) are the transport's; anything else keeps its
     traceback."""
     assert collective_failure(error) == reason
+
+
+GLOO_TIMEOUT = """
+import sys, time, torch, torch.distributed as dist
+from hybrid2d.mesh import as_collective_error, group_options, init_distributed
+init_distributed("cpu", 3, "off")
+backend, options = group_options(3)
+group = dist.new_group([0, 1], backend=backend, pg_options=options)
+if dist.get_rank() == 1:
+    time.sleep(8)  # hung: never comes to the all-reduce
+else:
+    try:
+        dist.all_reduce(torch.ones(4), group=group)
+    except RuntimeError as e:
+        print(as_collective_error(e, 3))
+"""
+
+
+@pytest.mark.slow
+def test_a_gloo_timeout_names_the_collective_and_its_group():
+    """gloo's own message names neither ('Timed out waiting 3000ms for recv operation'): the
+    line adds the collective and the group's ranks, read from the traceback."""
+    from tests.launch import run_ranks
+
+    rank0, rank1 = run_ranks(2, ["-c", GLOO_TIMEOUT], timeout=120)
+    line = rank0.stdout.strip()
+    assert line.startswith("rank 0: gloo: "), rank0.stderr[-2000:] + rank1.stderr[-2000:]
+    assert line.endswith(" in all_reduce over ranks [0, 1] (parallel.timeout_s=3)"), line

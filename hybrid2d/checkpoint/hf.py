@@ -41,6 +41,7 @@ from hybrid2d.checkpoint.reader import (
     read_saved_block,
     saved_tensor,
 )
+from hybrid2d.checkpoint.safe_metadata import MetadataReader
 from hybrid2d.config import JobConfig, ModelConfig
 from hybrid2d.errors import ConfigError
 from hybrid2d.paths import init_from_dir, split_init_from
@@ -623,7 +624,7 @@ def load_dcp(model: nn.Module, path: str, source: str | None = None) -> LoadRepo
                 "ignore", message=".*assuming the intent is to load in a single"
             )
             no_dist = not (dist.is_available() and dist.is_initialized())
-            dcp.load({"model": params}, storage_reader=dcp.FileSystemReader(path), no_dist=no_dist)
+            dcp.load({"model": params}, storage_reader=MetadataReader(path), no_dist=no_dist)
         return _fill_blocks(model, source, start, total, lambda *_: 0)  # dcp.load filled them
     keys = model_keys(md)
     storage = {  # non-tensor entries (a training checkpoint's lr, ...) have no offset

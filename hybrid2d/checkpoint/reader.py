@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from hybrid2d.checkpoint import layout
 from hybrid2d.checkpoint.hf_safetensors import _byte_view, _read_exact, read_block
+from hybrid2d.checkpoint.safe_metadata import MetadataReader, UntrustedPickle
 from hybrid2d.config import JobConfig, ModelConfig
 from hybrid2d.errors import ConfigError
 from hybrid2d.models.llama import Llama
@@ -77,8 +77,14 @@ def read_metadata(path: Path) -> Metadata:
             "training checkpoint's step directory"
         )
     what = f"checkpoint {path}: {layout.METADATA} cannot be read"
+    refused = None
     with as_config_error(what, "the checkpoint is truncated or corrupted, use an earlier one"):
-        meta = FileSystemReader(str(path)).read_metadata()
+        try:
+            meta = MetadataReader(str(path)).read_metadata()
+        except UntrustedPickle as e:  # not damage: a file that would run code, said as such
+            refused = e
+    if refused is not None:
+        raise ConfigError(f"checkpoint {path}: {layout.METADATA} {refused}")
     if not isinstance(meta, Metadata) or not isinstance(meta.state_dict_metadata, dict):
         raise ConfigError(f"checkpoint {path}: {layout.METADATA} is not DCP metadata (corrupted)")
     return meta
@@ -172,7 +178,7 @@ def check_model_shapes(
         )
 
 
-class _Reader(FileSystemReader):
+class _Reader(MetadataReader):
     """A FileSystemReader that reuses already-read metadata instead of unpickling it per call."""
 
     def __init__(self, path: Path, meta: Metadata):
