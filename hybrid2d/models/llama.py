@@ -89,13 +89,21 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-class OffsetRMSNorm(RMSNorm):
+class OffsetRMSNorm(nn.Module):
     """Gemma's RMSNorm (HF `Gemma3RMSNorm`): scales by (1 + weight), so its weight starts at 0.
-    A class, not a flag: the arithmetic and the initial value both differ."""
+
+    A class, not a flag: the arithmetic and the initial value both differ. Deliberately not a
+    subclass of `RMSNorm`: code written for RMSNorm's arithmetic (a parallel style's forward)
+    must refuse it by type rather than compute x * w with Gemma's weights; code that knows both
+    calls `normalize(x, weight)`, which each class defines."""
 
     def __init__(self, dim: int, eps: float):
-        super().__init__(dim, eps)
-        nn.init.zeros_(self.weight)
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.normalize(x, self.weight)
 
     def normalize(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms_norm_plus_one(x, weight, self.eps)
@@ -104,7 +112,7 @@ class OffsetRMSNorm(RMSNorm):
         nn.init.zeros_(self.weight)
 
 
-def make_norm(cfg: ModelConfig, dim: int) -> RMSNorm:
+def make_norm(cfg: ModelConfig, dim: int) -> RMSNorm | OffsetRMSNorm:
     return (OffsetRMSNorm if cfg.norm_plus_one else RMSNorm)(dim, cfg.norm_eps)
 
 
