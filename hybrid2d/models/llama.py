@@ -89,21 +89,13 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-class OffsetRMSNorm(nn.Module):
+class OffsetRMSNorm(RMSNorm):
     """Gemma's RMSNorm (HF `Gemma3RMSNorm`): scales by (1 + weight), so its weight starts at 0.
-
-    A class, not a flag: the arithmetic and the initial value both differ. Deliberately not a
-    subclass of `RMSNorm`: code written for RMSNorm's arithmetic (a parallel style's forward)
-    must refuse it by type rather than compute x * w with Gemma's weights; code that knows both
-    calls `normalize(x, weight)`, which each class defines."""
+    A class, not a flag: the arithmetic and the initial value both differ."""
 
     def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.normalize(x, self.weight)
+        super().__init__(dim, eps)
+        nn.init.zeros_(self.weight)
 
     def normalize(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms_norm_plus_one(x, weight, self.eps)
@@ -112,7 +104,7 @@ class OffsetRMSNorm(nn.Module):
         nn.init.zeros_(self.weight)
 
 
-def make_norm(cfg: ModelConfig, dim: int) -> RMSNorm | OffsetRMSNorm:
+def make_norm(cfg: ModelConfig, dim: int) -> RMSNorm:
     return (OffsetRMSNorm if cfg.norm_plus_one else RMSNorm)(dim, cfg.norm_eps)
 
 
