@@ -348,3 +348,75 @@ def test_a_shape_setting_that_differs_from_the_checkpoint_names_its_setting():
     gemma = model_config_from_hf(hf_config("gemma3"))
     with pytest.raises(CheckpointError, match="layer_types=SFS but model.layer_types=SSS"):
         check_model_config(gemma, dataclasses.replace(gemma, layer_types="SSS"), "hf:g", "x")
+
+
+# config.json files as the Hub holds them (transformers-4 keys: rope_theta, rope_scaling,
+# rope_local_base_freq, sliding_window_pattern, use_sliding_window without layer_types).
+PUBLISHED = {
+    "gemma-3-1b-it": {
+        "architectures": ["Gemma3ForCausalLM"], "attention_bias": False,
+        "attention_dropout": 0.0, "attn_logit_softcapping": None, "bos_token_id": 2,
+        "cache_implementation": "hybrid", "eos_token_id": [1, 106],
+        "final_logit_softcapping": None, "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152,
+        "initializer_range": 0.02, "intermediate_size": 6912,
+        "max_position_embeddings": 32768, "model_type": "gemma3_text", "num_attention_heads": 4,
+        "num_hidden_layers": 26, "num_key_value_heads": 1, "pad_token_id": 0,
+        "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
+        "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512,
+        "sliding_window_pattern": 6, "torch_dtype": "bfloat16", "use_cache": True,
+        "vocab_size": 262144,
+    },
+    "Qwen2.5-0.5B-Instruct": {
+        "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0,
+        "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu",
+        "hidden_size": 896, "initializer_range": 0.02, "intermediate_size": 4864,
+        "max_position_embeddings": 32768, "max_window_layers": 21, "model_type": "qwen2",
+        "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768,
+        "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_cache": True,
+        "use_sliding_window": False, "vocab_size": 151936,
+    },
+    "Qwen3-0.6B": {
+        "architectures": ["Qwen3ForCausalLM"], "attention_bias": False,
+        "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645,
+        "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024, "initializer_range": 0.02,
+        "intermediate_size": 3072, "max_position_embeddings": 40960, "max_window_layers": 28,
+        "model_type": "qwen3", "num_attention_heads": 16, "num_hidden_layers": 28,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": None,
+        "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False,
+        "vocab_size": 151936,
+    },
+    "Mistral-7B-v0.1": {
+        "architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2,
+        "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+        "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mistral",
+        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+        "vocab_size": 32000,
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_published_configs_read_as_transformers_reads_them(name, tmp_path):
+    """A Hub config.json reads the same whether we read it or transformers first rewrites it
+    (its layer types, windows and RoPE per layer type), and the model it describes has
+    transformers' parameter shapes (built on the meta device: no memory)."""
+    raw = PUBLISHED[name]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    theirs = transformers.AutoConfig.from_pretrained(tmp_path)
+    cfg = model_config_from_hf(raw)
+    assert model_config_from_hf(theirs.to_dict() | {"architectures": raw["architectures"]}) == cfg
+    if name == "gemma-3-1b-it":
+        assert cfg.layer_types == ("SSSSSF" * 5)[:26] and cfg.sliding_window == 512
+        assert (cfg.rope_theta, cfg.rope_local_theta, cfg.head_dim) == (1e6, 1e4, 256)
+    with torch.device("meta"):
+        ours = Llama(cfg)
+        hf = transformers.AutoModelForCausalLM.from_config(theirs)
+    assert type(hf).__name__ == raw["architectures"][0]
+    assert {k: v.shape for k, v in ours.state_dict().items()} == {
+        k: v.shape for k, v in hf.state_dict().items()
+    }

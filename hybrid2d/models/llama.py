@@ -91,7 +91,8 @@ class RMSNorm(nn.Module):
 
 class OffsetRMSNorm(RMSNorm):
     """Gemma's RMSNorm (HF `Gemma3RMSNorm`): scales by (1 + weight), so its weight starts at 0.
-    A class, not a flag: the arithmetic and the initial value both differ."""
+    A class, not a flag: the arithmetic and the initial value both differ. An RMSNorm to the
+    parallel norm styles, which must compute through `normalize` (not `rms_norm`) to keep it."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__(dim, eps)
