@@ -214,10 +214,6 @@ def tp_fits(m: ModelConfig, tp: int) -> bool:
 
 def _check_model(m: ModelConfig, tp: int, world: int) -> None:
     """The model's shape on its own and split over tp ranks."""
-    if m.n_heads % m.n_kv_heads:
-        raise ConfigError(
-            f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}"
-        )
     if not tp_fits(m, tp):
         split = (
             ("model.n_heads", m.n_heads),
@@ -238,6 +234,10 @@ def _check_model(m: ModelConfig, tp: int, world: int) -> None:
         raise ConfigError(
             f"model.attn_head_dim or model.dim / model.n_heads gives an odd head size "
             f"{m.head_dim}; RoPE rotates pairs of channels, use an even one"
+        )
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(
+            f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}"
         )
 
 

@@ -227,9 +227,9 @@ def test_tp_spanning_nodes_warns(monkeypatch):
 
 
 def test_tp_hint_lists_only_sizes_that_pass_every_check():
-    """llama3.1-70b (64 heads, 8 kv heads) on 48 ranks: tp 16 divides the heads and the world
-    but not the kv heads, so it is not offered; on 6 ranks tp 4 does not divide the world."""
-    for world, tp, offered in ((48, 48, [1, 2, 4, 8]), (6, 3, [1, 2])):
+    """llama3.1-70b (64 heads, 8 kv heads) on 48 ranks: tp 16 is offered (2 ranks per kv head),
+    tp 3 and 6 divide the world but not the heads; on 6 ranks tp 4 does not divide the world."""
+    for world, tp, offered in ((48, 48, [1, 2, 4, 8, 16]), (6, 3, [1, 2])):
         cfg = recipes.get("llama3.1-70b")
         cfg.parallel.tp, cfg.parallel.dp_shard = tp, world // tp
         with pytest.raises(ConfigError, match=re.escape(f"use tp in {offered}")):

@@ -570,12 +570,13 @@ def test_fixed_settings_keep_their_values_in_every_candidate():
     assert {(c.tp, c.activation_checkpoint) for c in result.candidates} == {(4, "full")}
     assert {(c.dp_replicate, c.dp_shard) for c in result.candidates} == {(1, 2), (2, 1)}
     assert not result.rejected
-    # Set in the recipe but not fixed: the search chooses, as parallel.plan=auto does.
-    assert {c.tp for c in plan(cfg, 8, 8, hardware.get("h100")).candidates} == {1, 2, 4}
+    # Set in the recipe but not fixed: the search chooses, as parallel.plan=auto does (tp 8:
+    # 2 ranks per kv head).
+    assert {c.tp for c in plan(cfg, 8, 8, hardware.get("h100")).candidates} == {1, 2, 4, 8}
     cfg.parallel.dp_shard, cfg.train.micro_batch = -1, 2  # -1: what the others leave
     result = plan(cfg, 8, 8, hardware.get("h100"), fixed={"parallel.dp_shard", "train.micro_batch"})
     assert {c.micro_batch for c in result.candidates} == {2}
-    assert {c.tp for c in result.candidates} == {2, 4}  # tp 1: dp 8, 1 sequence per rank
+    assert {c.tp for c in result.candidates} == {2, 4, 8}  # tp 1: dp 8, 1 sequence per rank
     reasons = {(r.dp_replicate, r.dp_shard, r.tp): r.reason for r in result.rejected}
     assert "train.micro_batch=2 does not divide the per-rank batch 1" in reasons[(1, 8, 1)]
 
@@ -892,7 +893,7 @@ def test_a_set_value_that_leaves_no_plan_says_what_would_work(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert code == 5 and not config.exists()
     assert out.strip().splitlines()[-1] == (
-        "no valid plan with parallel.tp=3: parallel.tp 1, 2 or 4 would be valid "
+        "no valid plan with parallel.tp=3: parallel.tp 1, 2, 4 or 8 would be valid "
         "(every mesh: --show-rejected)"
     )
     assert err.strip() == "error: no plan is valid, so no accelerate config was written"
