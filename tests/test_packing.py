@@ -249,3 +249,21 @@ def test_the_data_line_and_summary_give_the_packing_figures(tmp_path, tok_dir):
     padded = build_run_data(cfg, RunLayout.build(cfg, 1), 0, True, lambda: None)
     assert padded.summary()["layout"] == "padded" and "packing" not in padded.summary()
     assert "samples per row" not in padded.describe()
+
+
+def test_text_data_with_document_mask_hands_the_trainer_documents(tmp_path, tok_dir):
+    text = tmp_path / "docs.jsonl"  # one document per line
+    text.write_text("".join(json.dumps({"text": f"note {i}: " + "ab " * (i % 9)}) + "\n"
+                            for i in range(80)))  # fmt: skip
+    cfg = _cfg(tmp_path, tok_dir, path=str(text), val_path=str(text), document_mask="on")
+    data = build_run_data(cfg, RunLayout.build(cfg, 1), 0, True, lambda: None)
+    assert "document mask on" in data.describe() and data.summary()["document_mask"] == "on"
+    (batch,) = data.loader.next_batch()[:1]
+    eos = batch.inputs == data.loader.dataset.eos
+    assert eos.any() and batch.documents is not None and batch.real_tokens is None
+    assert torch.equal(batch.documents, eos.long().cumsum(1) - eos.long())
+    (val,) = list(data.val.batches(0, 1, 4))[:1]
+    assert val.documents is not None
+    cfg.data.document_mask = "off"
+    plain = build_run_data(cfg, RunLayout.build(cfg, 1), 0, True, lambda: None)
+    assert plain.loader.next_batch()[0].documents is None
