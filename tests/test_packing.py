@@ -23,6 +23,27 @@ from tests.workers.packing_parity import synthetic_samples
 # ---- first-fit decreasing -------------------------------------------------------------------
 
 
+def naive_ffd(sizes, capacity) -> list[list[int]]:
+    """First-fit decreasing as its definition reads: one item at a time, longest first."""
+    rows, room = [], []
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):  # sorted() is stable
+        j = next((j for j, r in enumerate(room) if r >= sizes[i]), len(rows))
+        if j == len(rows):
+            rows.append([])
+            room.append(capacity)
+        rows[j].append(i)
+        room[j] -= sizes[i]
+    return rows
+
+
+@pytest.mark.parametrize("high,count", [(65, 300), (9, 200), (30, 1000), (64, 1)])
+def test_first_fit_decreasing_is_the_item_by_item_definition(high, count):
+    sizes = np.random.default_rng(high).integers(1, high, count)  # many ties among small sizes
+    got = [r.tolist() for r in first_fit_decreasing(sizes, 64)]
+    assert got == naive_ffd(sizes.tolist(), 64)
+    assert first_fit_decreasing(np.array([], dtype=np.int64), 64) == []
+
+
 def test_first_fit_decreasing_places_each_item_once_within_capacity():
     rng = np.random.default_rng(0)
     sizes = rng.integers(1, 65, 300)
