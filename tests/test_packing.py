@@ -288,3 +288,28 @@ def test_text_data_with_document_mask_hands_the_trainer_documents(tmp_path, tok_
     cfg.data.document_mask = "off"
     plain = build_run_data(cfg, RunLayout.build(cfg, 1), 0, True, lambda: None)
     assert plain.loader.next_batch()[0].documents is None
+
+
+def test_the_long_tail_generator_and_the_mask_benchmark():
+    from bench_packing import longtail_lengths, main
+
+    lengths = longtail_lengths(20000, 4096, 300)
+    assert 270 <= np.median(lengths) <= 330 and lengths.max() == 4097
+    assert (lengths > 1500).mean() > 0.01  # a tail, cut at seq_len + 1
+    main(
+        [
+            "masks",
+            "--seq-len",
+            "64",
+            "--median",
+            "9",
+            "--dim",
+            "32",
+            "--heads",
+            "4",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+        ]
+    )  # fmt: skip  (each exact option equals the dense mask)
