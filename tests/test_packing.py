@@ -8,6 +8,8 @@ import json
 import numpy as np
 import pytest
 import torch
+from bench_packing import longtail_lengths
+from bench_packing import main as bench_main
 
 from hybrid2d.config import JobConfig, ModelConfig
 from hybrid2d.data import build_run_data
@@ -291,25 +293,8 @@ def test_text_data_with_document_mask_hands_the_trainer_documents(tmp_path, tok_
 
 
 def test_the_long_tail_generator_and_the_mask_benchmark():
-    from bench_packing import longtail_lengths, main
-
     lengths = longtail_lengths(20000, 4096, 300)
     assert 270 <= np.median(lengths) <= 330 and lengths.max() == 4097
     assert (lengths > 1500).mean() > 0.01  # a tail, cut at seq_len + 1
-    main(
-        [
-            "masks",
-            "--seq-len",
-            "64",
-            "--median",
-            "9",
-            "--dim",
-            "32",
-            "--heads",
-            "4",
-            "--steps",
-            "1",
-            "--warmup",
-            "0",
-        ]
-    )  # fmt: skip  (each exact option equals the dense mask)
+    # each exact option is checked against the dense mask before it is timed
+    bench_main("masks --seq-len 64 --median 9 --dim 32 --heads 4 --steps 1 --warmup 0".split())
