@@ -281,3 +281,42 @@ def test_init_from_a_path_that_is_no_checkpoint_names_the_setting(tmp_path):
         source_model(cfg, set())
     assert str(e.value).startswith(f"checkpoint.init_from=dcp:{tmp_path / 'nope'}: "), e.value
     assert "is not a directory" in str(e.value)
+
+
+@pytest.mark.slow
+def test_a_packed_run_resumes_on_another_dp_size_where_it_stopped(chat_dirs, tmp_path):
+    """Packed instruction rows (the default): a run on 2 ranks (dp 2) stopped after step 2 and
+    resumed on 1 rank continues with the samples a straight run on 2 ranks trains on (the data
+    position is a count of samples): the same losses (to 1e-5: another dp size sums in another
+    order), and the summaries count the packed rows."""
+    from tests.launch import torchrun
+    from tests.workers.hf_chat import write_instruction_data
+
+    hf_dir, _, _ = chat_dirs
+    data = tmp_path / "train.jsonl"
+    write_instruction_data(str(data), 40, seed=2)
+
+    def run(ranks, run_dir, *more):
+        recipe = ["recipes/llama.py", "--checkpoint.init_from", f"hf:{hf_dir}",
+                  "--data.path", str(data), "--train.seq_len", "128", "--train.global_batch",
+                  "4", "--train.steps", "4", "--data.cache_dir", str(tmp_path / "cache"),
+                  "--metrics.run_dir", str(run_dir), "--metrics.progress_bar", "false",
+                  *more]  # fmt: skip
+        cmd = torchrun(ranks, *recipe) if ranks > 1 else [sys.executable, *recipe]
+        proc = subprocess.run(cmd, cwd=REPO, env=launcher_env(), capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads((run_dir / "summary.json").read_text())
+
+    straight = run(2, tmp_path / "straight")
+    first = run(2, tmp_path / "split", "--checkpoint.stop_after", "2")
+    resumed = run(1, tmp_path / "split", "--checkpoint.resume", "auto")
+    assert resumed["first_step"] == 3 and resumed["mesh"]["dp_shard"] == 1
+    for got, want in zip(resumed["losses"], straight["losses"][2:], strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want), (resumed["losses"], straight["losses"])
+    packing = straight["data"]["packing"]
+    assert straight["data"]["layout"] == "packed" and packing["rows"] == 16
+    assert packing["samples_per_row"] > 1
+    split = first["data"]["packing"]["samples"] + resumed["data"]["packing"]["samples"]
+    assert split == packing["samples"]
+    assert straight["tokens_per_s"] < straight["positions_per_s"]  # padding is not counted

@@ -8,6 +8,8 @@ import json
 import numpy as np
 import pytest
 import torch
+from bench_packing import longtail_lengths
+from bench_packing import main as bench_main
 
 from hybrid2d.config import JobConfig, ModelConfig
 from hybrid2d.data import build_run_data
@@ -21,6 +23,27 @@ from tests.workers.hf_chat import make_tokenizer
 from tests.workers.packing_parity import synthetic_samples
 
 # ---- first-fit decreasing -------------------------------------------------------------------
+
+
+def naive_ffd(sizes, capacity) -> list[list[int]]:
+    """First-fit decreasing as its definition reads: one item at a time, longest first."""
+    rows, room = [], []
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):  # sorted() is stable
+        j = next((j for j, r in enumerate(room) if r >= sizes[i]), len(rows))
+        if j == len(rows):
+            rows.append([])
+            room.append(capacity)
+        rows[j].append(i)
+        room[j] -= sizes[i]
+    return rows
+
+
+@pytest.mark.parametrize("high,count", [(65, 300), (9, 200), (30, 1000), (64, 1)])
+def test_first_fit_decreasing_is_the_item_by_item_definition(high, count):
+    sizes = np.random.default_rng(high).integers(1, high, count)  # many ties among small sizes
+    got = [r.tolist() for r in first_fit_decreasing(sizes, 64)]
+    assert got == naive_ffd(sizes.tolist(), 64)
+    assert first_fit_decreasing(np.array([], dtype=np.int64), 64) == []
 
 
 def test_first_fit_decreasing_places_each_item_once_within_capacity():
@@ -249,3 +272,29 @@ def test_the_data_line_and_summary_give_the_packing_figures(tmp_path, tok_dir):
     padded = build_run_data(cfg, RunLayout.build(cfg, 1), 0, True, lambda: None)
     assert padded.summary()["layout"] == "padded" and "packing" not in padded.summary()
     assert "samples per row" not in padded.describe()
+
+
+def test_text_data_with_document_mask_hands_the_trainer_documents(tmp_path, tok_dir):
+    text = tmp_path / "docs.jsonl"  # one document per line
+    text.write_text("".join(json.dumps({"text": f"note {i}: " + "ab " * (i % 9)}) + "\n"
+                            for i in range(80)))  # fmt: skip
+    cfg = _cfg(tmp_path, tok_dir, path=str(text), val_path=str(text), document_mask="on")
+    data = build_run_data(cfg, RunLayout.build(cfg, 1), 0, True, lambda: None)
+    assert "document mask on" in data.describe() and data.summary()["document_mask"] == "on"
+    (batch,) = data.loader.next_batch()[:1]
+    eos = batch.inputs == data.loader.dataset.eos
+    assert eos.any() and batch.documents is not None and batch.real_tokens is None
+    assert torch.equal(batch.documents, eos.long().cumsum(1) - eos.long())
+    (val,) = list(data.val.batches(0, 1, 4))[:1]
+    assert val.documents is not None
+    cfg.data.document_mask = "off"
+    plain = build_run_data(cfg, RunLayout.build(cfg, 1), 0, True, lambda: None)
+    assert plain.loader.next_batch()[0].documents is None
+
+
+def test_the_long_tail_generator_and_the_mask_benchmark():
+    lengths = longtail_lengths(20000, 4096, 300)
+    assert 270 <= np.median(lengths) <= 330 and lengths.max() == 4097
+    assert (lengths > 1500).mean() > 0.01  # a tail, cut at seq_len + 1
+    # each exact option is checked against the dense mask before it is timed
+    bench_main("masks --seq-len 64 --median 9 --dim 32 --heads 4 --steps 1 --warmup 0".split())
