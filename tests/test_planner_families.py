@@ -1,15 +1,20 @@
 """The planner's pieces for the other families: tensor parallelism past the kv heads, priced
-against hand counts of what each rank holds and computes."""
+against hand counts of what each rank holds and computes; packed rows' masks against a
+measurement."""
 
 import math
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from hybrid2d.config import JobConfig
 from hybrid2d.layout import RunLayout
+from hybrid2d.models.llama import Llama
 from hybrid2d.planner import hardware
 from hybrid2d.planner.memory import estimate
 from hybrid2d.planner.model import flops, predict_valid
+from hybrid2d.profiling.measure import MemoryTracker
 from tests.family_shapes import family_model
 
 
@@ -70,3 +75,29 @@ def test_tp_past_the_kv_heads_computes_the_shared_kv_head_on_each_rank(tp):
     )
     assert cand.details["flops_per_token"] == f["model"]
     assert math.isfinite(cand.step_s) and cand.step_s > 0
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3"])
+def test_packed_rows_cost_what_the_estimate_adds(family):
+    """Rows packed with documents (issue 35): every layer gets a mask per row and RoPE tables
+    per row. The estimate's change (documents=True against False) equals the measured change
+    of the peak of one forward + backward of the same model and batch."""
+    m = family_model(family, dim=128, ffn_dim=352, vocab_size=2048)
+    b, s = 4, 128
+    model = Llama(m)
+    model.init_weights(0)
+    tokens = torch.randint(0, m.vocab_size, (b, s + 1), generator=torch.Generator().manual_seed(0))
+    docs = torch.repeat_interleave(torch.tensor([0, 1, 2]), torch.tensor([50, 40, s - 90]))
+    peaks = []
+    for documents in (None, docs.expand(b, s).clone()):
+        x, y = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+        with MemoryTracker(model) as tracker:
+            F.cross_entropy(model(x, documents).flatten(0, 1), y.flatten()).backward()
+        peaks.append(tracker.peak)
+        model.zero_grad(set_to_none=True)
+    cfg = JobConfig(model=m)
+    cfg.train.seq_len, cfg.train.global_batch, cfg.train.device = s, b, "cpu"
+    layout = RunLayout(1, 1, 1, b, b, "none", m)
+    plain = estimate(cfg, layout, 0, "cpu")
+    added = estimate(cfg, layout, 0, "cpu", documents=True).peak - plain.peak
+    assert added == peaks[1] - peaks[0] > 0
