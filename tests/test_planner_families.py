@@ -11,11 +11,11 @@ import torch.nn.functional as F
 from hybrid2d.config import JobConfig
 from hybrid2d.layout import RunLayout
 from hybrid2d.models.llama import Llama
-from hybrid2d.planner import hardware
+from hybrid2d.planner import hardware, ops
 from hybrid2d.planner.memory import estimate
 from hybrid2d.planner.model import flops, predict_valid
 from hybrid2d.profiling.measure import MemoryTracker
-from tests.family_shapes import family_model
+from tests.family_shapes import FAMILIES, family_model
 
 
 def job(model, tp: int) -> tuple[JobConfig, RunLayout]:
@@ -101,3 +101,14 @@ def test_packed_rows_cost_what_the_estimate_adds(family):
     plain = estimate(cfg, layout, 0, "cpu")
     added = estimate(cfg, layout, 0, "cpu", documents=True).peak - plain.peak
     assert added == peaks[1] - peaks[0] > 0
+
+
+def test_dispatched_ops_follow_the_family_structure():
+    """The per-op price counts each family's own block (`ops.block_step` builds the family's
+    decoder layer): biases add ops, q/k norms more, Gemma 3's sandwich block more still; a
+    window alone changes the mask a block is given, not its ops."""
+    counts = {f: ops.block_ops(family_model(f), "none") for f in FAMILIES}
+    assert counts["mistral"] == counts["llama"]
+    assert counts["llama"] < counts["qwen2"] < counts["qwen3"] < counts["gemma3"], counts
+    layer = ops.decoder_layer(ops.tiny(family_model("gemma3")))
+    assert hasattr(layer, "pre_feedforward_layernorm")

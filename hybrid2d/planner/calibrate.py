@@ -52,7 +52,7 @@ from torch.distributed.fsdp import fully_shard
 from hybrid2d.config import JobConfig, ModelConfig
 from hybrid2d.errors import ConfigError
 from hybrid2d.mesh import init_distributed, shutdown_distributed
-from hybrid2d.models.llama import DecoderLayer, Llama
+from hybrid2d.models.llama import Llama, decoder_layer
 from hybrid2d.parallel.sequence_comm import all_gather_dim0
 from hybrid2d.planner import hardware as hwlib
 from hybrid2d.planner import model as cost
@@ -202,7 +202,7 @@ def seconds_per_op(m: ModelConfig, device, mesh=None) -> float:
     t = ops.tiny(m)
     seq = 8
     torch.manual_seed(0)
-    layer = DecoderLayer(t).to(device)
+    layer = decoder_layer(t).to(device)
     if mesh is not None:
         fully_shard(layer, mesh=mesh, reshard_after_forward=False)
     cos, sin = Llama(dataclasses.replace(t, n_layers=0)).to(device).rope(seq, torch.float32)

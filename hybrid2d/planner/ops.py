@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from hybrid2d.config import ModelConfig
-from hybrid2d.models.llama import DecoderLayer, Llama
+from hybrid2d.models.llama import Llama, decoder_layer
 from hybrid2d.parallel.activation_checkpoint import selective_context
 from hybrid2d.parallel.tensor_parallel import block_tp_plan
 
@@ -143,7 +143,7 @@ def block_step(
     over it, resharded after forward, inside a root without parameters (as every block but the
     last in the trainer)."""
     torch.manual_seed(0)
-    layer = DecoderLayer(m).to(device=device, dtype=dtype)
+    layer = decoder_layer(m).to(device=device, dtype=dtype)
     tp = 1
     if tp_mesh is not None and tp_mesh.size() > 1:
         tp = tp_mesh.size()
