@@ -1,16 +1,21 @@
 """The planner's pieces for the other families: tensor parallelism past the kv heads, priced
-against hand counts of what each rank holds and computes."""
+against hand counts of what each rank holds and computes; packed rows' masks against a
+measurement."""
 
 import math
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from hybrid2d.config import JobConfig
 from hybrid2d.layout import RunLayout
-from hybrid2d.planner import hardware
+from hybrid2d.models.llama import Llama
+from hybrid2d.planner import hardware, ops
 from hybrid2d.planner.memory import estimate
 from hybrid2d.planner.model import flops, predict_valid
-from tests.family_shapes import family_model
+from hybrid2d.profiling.measure import MemoryTracker
+from tests.family_shapes import FAMILIES, family_model
 
 
 def job(model, tp: int) -> tuple[JobConfig, RunLayout]:
@@ -70,3 +75,40 @@ def test_tp_past_the_kv_heads_computes_the_shared_kv_head_on_each_rank(tp):
     )
     assert cand.details["flops_per_token"] == f["model"]
     assert math.isfinite(cand.step_s) and cand.step_s > 0
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3"])
+def test_packed_rows_cost_what_the_estimate_adds(family):
+    """Rows packed with documents (issue 35): every layer gets a mask per row and RoPE tables
+    per row. The estimate's change (documents=True against False) equals the measured change
+    of the peak of one forward + backward of the same model and batch."""
+    m = family_model(family, dim=128, ffn_dim=352, vocab_size=2048)
+    b, s = 4, 128
+    model = Llama(m)
+    model.init_weights(0)
+    tokens = torch.randint(0, m.vocab_size, (b, s + 1), generator=torch.Generator().manual_seed(0))
+    docs = torch.repeat_interleave(torch.tensor([0, 1, 2]), torch.tensor([50, 40, s - 90]))
+    peaks = []
+    for documents in (None, docs.expand(b, s).clone()):
+        x, y = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+        with MemoryTracker(model) as tracker:
+            F.cross_entropy(model(x, documents).flatten(0, 1), y.flatten()).backward()
+        peaks.append(tracker.peak)
+        model.zero_grad(set_to_none=True)
+    cfg = JobConfig(model=m)
+    cfg.train.seq_len, cfg.train.global_batch, cfg.train.device = s, b, "cpu"
+    layout = RunLayout(1, 1, 1, b, b, "none", m)
+    plain = estimate(cfg, layout, 0, "cpu")
+    added = estimate(cfg, layout, 0, "cpu", documents=True).peak - plain.peak
+    assert added == peaks[1] - peaks[0] > 0
+
+
+def test_dispatched_ops_follow_the_family_structure():
+    """The per-op price counts each family's own block (`ops.block_step` builds the family's
+    decoder layer): biases add ops, q/k norms more, Gemma 3's sandwich block more still; a
+    window alone changes the mask a block is given, not its ops."""
+    counts = {f: ops.block_ops(family_model(f), "none") for f in FAMILIES}
+    assert counts["mistral"] == counts["llama"]
+    assert counts["llama"] < counts["qwen2"] < counts["qwen3"] < counts["gemma3"], counts
+    layer = ops.decoder_layer(ops.tiny(family_model("gemma3")))
+    assert hasattr(layer, "pre_feedforward_layernorm")

@@ -164,9 +164,17 @@ class Estimate:
         return dataclasses.asdict(self)
 
 
-def estimate(cfg: JobConfig, layout: RunLayout, rank: int = 0, target: str = "cuda") -> Estimate:
+def estimate(
+    cfg: JobConfig,
+    layout: RunLayout,
+    rank: int = 0,
+    target: str = "cuda",
+    documents: bool = False,
+) -> Estimate:
     """Per-rank memory of one training step of `cfg` laid out as `layout` (the model, mesh,
-    batch split and checkpointing are the layout's; the rest of the settings cfg's)."""
+    batch split and checkpointing are the layout's; the rest of the settings cfg's).
+    `documents`: rows packed with several documents, each attending only to itself (masks on
+    every layer, RoPE tables per row: `attention_inputs`)."""
     if target not in ("cuda", "cpu"):
         raise ConfigError(f"target {target!r} is not one of cuda, cpu")
     m, t, p = layout.model, cfg.train, cfg.parallel
@@ -248,13 +256,13 @@ def estimate(cfg: JobConfig, layout: RunLayout, rank: int = 0, target: str = "cu
     recomputes = kept != block
     # CPU: SDPA turns a layer's boolean mask into an additive one of the compute dtype and saves
     # it for backward, one per masked layer (recomputed, not kept, under checkpointing).
-    masked = [bool(m.layer_window(i)) for i in range(m.n_layers)]
-    mask_saved = S * S * c if target == "cpu" else 0
+    masked = [documents or bool(m.layer_window(i)) for i in range(m.n_layers)]
+    mask_saved = (b if documents else 1) * S * S * c if target == "cpu" else 0
     blocks_saved = m.n_layers * kept + (sum(masked) * mask_saved if not recomputes else 0)
     last_block = block + (mask_saved if masked[-1] else 0)
     head = Nl * D * nb + Nl * 4 + D * offset + N * D * c
     logits = N * (vocab // tp) * 4
-    inputs, forward_masks = attention_inputs(m, b, S, c, target)
+    inputs, forward_masks = attention_inputs(m, b, S, c, target, documents)
     # tp > 1: the vocab-parallel loss's per-token tensors beside the logits' three (row max and
     # its index, sum of exp, target logit, their all-reduced copies, the label masks and
     # offsets): 40 bytes a token, counted on CPU.
@@ -344,23 +352,31 @@ def estimate(cfg: JobConfig, layout: RunLayout, rank: int = 0, target: str = "cu
     )
 
 
-def attention_inputs(m: ModelConfig, b: int, S: int, c: int, target: str) -> tuple[int, int]:
+def attention_inputs(
+    m: ModelConfig, b: int, S: int, c: int, target: str, documents: bool = False
+) -> tuple[int, int]:
     """(bytes held from the first forward to the last backward, bytes held during the forward
     only) of what every block reads: token ids and labels (int64), and per kind of layer
     (`Llama.layer_inputs`: its window and RoPE base) the RoPE tables cos and sin [s, head_dim]
     and its mask (models/attention.py: none for plain causal layers; on CPU a dense bool
     [1, 1, s, s], which only the forward holds; on CUDA a FlexAttention block mask, int32 block
-    counts and indices over 128-token blocks, for the rows and for the columns)."""
+    counts and indices over 128-token blocks, for the rows and for the columns).
+
+    `documents`: packed rows (several documents a row, issue 35): the document index of each
+    position (int64) is an input too, every kind of layer has a mask, one per row ([b, 1, s, s]
+    on CPU, b block masks on CUDA), and RoPE tables per row ([b, 1, s, head_dim]: positions
+    restart at each document)."""
     kinds = {(w := m.layer_window(i), bool(w and m.rope_local_theta)) for i in range(m.n_layers)}
     blocks = -(-S // 128)
-    total = 2 * b * S * 8
+    rows = b if documents else 1
+    total = (3 if documents else 2) * b * S * 8
     forward = 0
     for window, _ in kinds:
-        total += 2 * S * m.head_dim * c
-        if window and target == "cpu":
-            forward += S * S
-        elif window:
-            total += 2 * 2 * blocks * (blocks + 1) * 4
+        total += 2 * rows * S * m.head_dim * c
+        if (window or documents) and target == "cpu":
+            forward += rows * S * S
+        elif window or documents:
+            total += rows * 2 * 2 * blocks * (blocks + 1) * 4
     return total, forward
 
 
