@@ -1005,6 +1005,33 @@ def test_check_run_compares_a_run_with_its_prediction(tmp_path, capsys):
     assert "step time  measured 0.500 s" in capsys.readouterr().out
 
 
+def test_check_run_prices_the_run_on_its_own_profile_and_tensor_peak(tmp_path, capsys):
+    """A CPU run (summary.json: plan.hardware cpu, tensors measured by --profile.memory) was
+    priced on the h100 preset and its process RSS compared with the tensor estimate."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(debug_job().to_dict()))
+    plan = {"hardware": "cpu", "measured_peak_bytes": 2**29, "peak_measured_as": "tensors, x"}
+    summary = {
+        "mesh": {"dp_replicate": 1, "dp_shard": 1, "tp": 1},
+        "tokens_per_s": 4096.0,
+        "peak_memory_bytes_per_rank": [2**31],  # the process's RSS
+        "plan": plan,
+    }
+    (run / "summary.json").write_text(json.dumps(summary))
+    plan_tool = load_tool("plan")
+    out = tmp_path / "check.json"
+    assert plan_tool.main(["--check-run", str(run), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["hardware"] == hardware.get("cpu").name
+    assert result["measured_peak_gib"] == 0.5 and result["measured_peak_as"] == "tensors, x"
+    assert "measured 0.50 GiB (tensors, x)" in capsys.readouterr().out
+    plan["hardware"] = "my-calibrated-box"  # no preset of that name, no file: say so
+    (run / "summary.json").write_text(json.dumps(summary))
+    assert plan_tool.main(["--check-run", str(run)]) == 2
+    assert "planned on profile 'my-calibrated-box', which is no preset" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("nodes", [1, 2])
 def test_emitted_launch_line_carries_each_nodes_rank_and_address(tmp_path, capsys, nodes):
     """On several nodes the printed command (and the file's header) must carry each node's
