@@ -877,6 +877,21 @@ def test_set_planned_settings_are_searched_and_launched_as_set(tmp_path, capsys,
         assert "parallelism_config_tp_size: 4" in config.read_text()
 
 
+def test_set_plan_auto_launches_plan_auto_and_shows_what_it_picks(capsys):
+    """--set parallel.plan=auto printed the planned sizes and then --parallel.plan auto: the
+    command is plan auto itself (with the --set planned values, which bound the trainer's
+    search too), and the plan it picks is shown beside it."""
+    plan_tool = load_tool("plan")
+    argv = ["--recipe", "llama-debug", "--nodes", "1", "--gpus-per-node", "8", "--gpu", "h100"]
+    argv += ["--set", "parallel.plan=auto", "--set", "parallel.tp=2"]
+    assert plan_tool.main(argv) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("flags: "))
+    command, picks = line.split("  (plan auto picks ")
+    assert command == "flags: --recipe llama-debug --parallel.plan auto --parallel.tp 2"
+    assert picks.endswith(" on 8 h100)") and "--parallel.tp 2 " in picks, picks
+    assert "--parallel.dp_shard " in picks and "--train.micro_batch " in picks
+
+
 def test_a_set_value_that_leaves_no_plan_says_what_would_work(tmp_path, capsys):
     """One line naming the setting and the values that give a plan; exit 5 (no valid plan) or
     6 (nothing fits), and no accelerate config."""

@@ -286,7 +286,10 @@ def run_plan(args, cfg: JobConfig, hw: hwlib.Hardware, fixed: frozenset[str]) ->
         f"{best.micro_batch}: {best.step_s:.3g} s/step, {best.tokens_per_s_per_gpu:,.0f} "
         f"tokens/s per device, MFU {best.mfu:.1%}, {best.peak_gib:.1f} GiB per rank"
     )
-    print("flags: " + " ".join(flags))
+    picks = ""
+    if cfg.parallel.plan == "auto":  # the trainer plans again at launch: say what it will pick
+        picks = f"  (plan auto picks {' '.join(best.flags())} on {world} {hw.name})"
+    print("flags: " + " ".join(flags) + picks)
     if args.emit_accelerate_config:
         # Several nodes: each passes its own rank and the first node's address (the file is
         # the same on every node), as recipes/accelerate/gpu_multinode.yaml says.
@@ -357,7 +360,8 @@ def set_values(cfg: JobConfig, fixed: frozenset[str]) -> str:
 def launch_flags(best, cfg: JobConfig, args) -> list[str]:
     """recipes/llama.py arguments that run the best plan as planned, each setting once: the
     plan's choices, then the recipe's changes (a --set of a planned setting was searched with,
-    so the plan's value is the one set)."""
+    so the plan's value is the one set). With parallel.plan auto the trainer makes the choices
+    itself: only the changes, --set planned settings included (they bound its search too)."""
     changed = {}
     if args.global_batch is not None:
         changed["train.global_batch"] = str(cfg.train.global_batch)
@@ -366,9 +370,10 @@ def launch_flags(best, cfg: JobConfig, args) -> list[str]:
     for item in args.set:  # a later one wins, as in the settings
         key, value = item.split("=", 1)
         changed[key.replace("-", "_")] = value
-    flags = ["--recipe", cfg.recipe, *best.flags()]
+    auto = cfg.parallel.plan == "auto"
+    flags = ["--recipe", cfg.recipe, *([] if auto else best.flags())]
     for key, value in changed.items():
-        if key not in PLANNED:
+        if auto or key not in PLANNED:
             flags += [f"--{key}", value]
     return flags
 
