@@ -13,6 +13,7 @@ import time
 import pytest
 
 from tests.launch import REPO, launcher_env, torchrun
+from tests.test_config import recipe_main
 from tests.test_faults import SMALL
 
 PR_SET_CHILD_SUBREAPER = 36  # prctl(2): orphaned descendants are reparented to this process
@@ -147,3 +148,12 @@ def test_sigterm_before_the_first_step_exits_0_with_one_line_and_leaves_nothing(
     again = run("recipes/llama.py")
     assert again.returncode == 0, again.stderr[-3000:]
     assert (run_dir / "summary.json").exists()
+
+
+def test_main_puts_the_start_up_handlers_back_when_it_returns_without_training():
+    """A test (or a tool) calling main in-process kept start-up's SIGTERM handler after a
+    refused setting: a later SIGTERM would have claimed to come before a first step."""
+    before = signal.getsignal(signal.SIGTERM)
+    assert recipe_main(["--list"]) == 0
+    assert recipe_main(["--train.steps", "0"]) == 2
+    assert signal.getsignal(signal.SIGTERM) is before
