@@ -13,6 +13,7 @@ from hybrid2d.checkpoint import layout
 from hybrid2d.checkpoint.hf import source_model
 from hybrid2d.checkpoint.hf_safetensors import SafetensorsFile
 from hybrid2d.config import DataConfig
+from hybrid2d.data.chat import load_chat_template
 from hybrid2d.data.tokenizer import load_or_train_tokenizer
 from hybrid2d.data.tokens import tokenize_corpus
 from hybrid2d.errors import ConfigError
@@ -102,3 +103,37 @@ def test_a_safetensors_header_that_lies_is_named(tmp_path, entry):
     path.write_bytes(len(b"[1]").to_bytes(8, "little") + b"[1]")
     with pytest.raises(ConfigError, match="malformed safetensors header"):
         SafetensorsFile(str(path))
+
+
+def test_a_damaged_tokenizer_json_is_named(corpus, tmp_path):
+    cfg, cache = corpus
+    load_or_train_tokenizer(cfg, 300, cache)
+    broken = tmp_path / "tok" / "tokenizer.json"
+    broken.parent.mkdir()
+    broken.write_text(_one_file(cache / "tokenizers").read_text()[:300])
+    with pytest.raises(ConfigError) as e:
+        load_or_train_tokenizer(DataConfig(tokenizer=str(broken.parent)), 300, cache)
+    message = str(e.value)
+    assert message.startswith(f"data.tokenizer={str(broken.parent)!r}: {broken} is not a ")
+    assert message.endswith("use a tokenizer.json saved by the tokenizers library")
+
+
+@pytest.mark.parametrize(
+    "name, text, said",
+    [
+        ("tokenizer_config.json", '{"chat_template": "{{', "is not JSON"),
+        ("tokenizer_config.json", "[1, 2]", "is not a JSON object"),
+        ("chat_template.jinja", "{% for m in messages %}{{ m.content }}", "does not compile"),
+        ("chat_template.jinja", b"\xff\xfe{{ x }}", "is not UTF-8 text"),
+    ],
+)
+def test_a_damaged_chat_template_is_named(tmp_path, name, text, said):
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text("{}")  # not read here
+    damaged = folder / name
+    damaged.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ConfigError) as e:
+        load_chat_template(str(folder))
+    message = str(e.value)
+    assert str(damaged) in message and said in message and "\n" not in message, message
