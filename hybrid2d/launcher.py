@@ -208,6 +208,15 @@ def stop_start_up_on_signals() -> None:
             _before_start_up[sig] = signal.signal(sig, _stop_start_up)
 
 
+def end_start_up() -> None:
+    """Put back the handlers stop_start_up_on_signals replaced that are still in place (a
+    start-up that ended without training: a refused setting, --help, a test calling main)."""
+    for sig, previous in list(_before_start_up.items()):
+        if signal.getsignal(sig) in (_stop_start_up, signal.SIG_IGN):
+            signal.signal(sig, previous)
+        del _before_start_up[sig]
+
+
 def handler_before_start_up(sig: int, handler):
     """The handler to restore in place of `handler`: if it is start-up's, the one start-up
     replaced (a signal after the run must not claim to come before its first step)."""

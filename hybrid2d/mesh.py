@@ -12,6 +12,7 @@ import gc
 import os
 import re
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -237,40 +238,91 @@ def collective_failure(error: BaseException) -> str | None:
     return None
 
 
-def _collective_in(error: BaseException) -> str:
-    """' in all_reduce over ranks [0, 1]': the collective a gloo error came from, read from its
-    traceback (gloo's message names neither the collective nor the group; the shared-memory
-    backend's does). The innermost public function of torch.distributed is the collective
-    (or, for an async one waited on elsewhere, the function that waited: FSDP's or DTensor's);
-    its `group` argument the group. '' when no torch.distributed frame is there. gloo cannot
-    tell which peer did not come: every rank of the group that did come times out alike."""
-    frame = None
+def _collective_frame(error: BaseException):
+    """The frame of the failed collective in the error's traceback: the innermost one whose
+    `group` is a process group (torch's collectives, FSDP's, this package's sequence_comm: a
+    functional collective fails in a `wait_tensor` that knows no group, called from one that
+    does), else the innermost public function of torch.distributed; None if neither is there."""
+    with_group = public = None
     tb = error.__traceback__
     while tb is not None:
-        code = tb.tb_frame.f_code
-        public = not code.co_name.startswith("_") and code.co_name != "wrapper"
-        if public and "/torch/distributed/" in code.co_filename.replace(os.sep, "/"):
-            frame = tb.tb_frame
+        frame, code = tb.tb_frame, tb.tb_frame.f_code
+        group = frame.f_locals.get("group")
+        if (
+            group is None
+            and "group" in frame.f_locals
+            and "/torch/distributed/" in (code.co_filename.replace(os.sep, "/"))
+        ):
+            group = dist.group.WORLD  # torch's `group=None`: the default group
+        if isinstance(group, dist.ProcessGroup):
+            with_group = frame
+        if not code.co_name.startswith("_") and code.co_name != "wrapper":
+            if "/torch/distributed/" in code.co_filename.replace(os.sep, "/"):
+                public = frame
         tb = tb.tb_next
+    return with_group or public
+
+
+def _group_ranks(frame) -> list[int] | None:
+    """The global ranks of the frame's `group` (None: the default group); None if it has
+    none or it is no live group."""
+    if frame is None or "group" not in frame.f_locals:
+        return None
+    try:
+        return dist.get_process_group_ranks(frame.f_locals["group"] or dist.group.WORLD)
+    except (RuntimeError, ValueError, AttributeError, TypeError):
+        return None
+
+
+def _collective_in(error: BaseException) -> str:
+    """' in all_reduce over ranks [0, 1]': the collective a gloo error came from and its group,
+    read from its traceback (gloo's message names neither; the shared-memory backend's does);
+    '' when the traceback does not show it."""
+    frame = _collective_frame(error)
     if frame is None:
         return ""
-    where = f" in {frame.f_code.co_name}"
-    if "group" not in frame.f_locals:  # a function that waited: its group is not its argument
-        return where
+    ranks = _group_ranks(frame)
+    return f" in {frame.f_code.co_name}" + ("" if ranks is None else f" over ranks {ranks}")
+
+
+PEER_REPORT_S = 3.0  # how long a failed rank waits for its group's other failures to be posted
+
+
+def _did_not_come(ranks: list[int], me: int, wait_s: float = PEER_REPORT_S) -> list[int] | None:
+    """The ranks of the failed collective's group that posted no failure of their own within
+    wait_s: on gloo, whose message does not say, the ranks that never came to the collective
+    (hung, or gone). Every rank that fails posts a key in the default group's store (torchrun's
+    agent's, or rank 0's: its server thread answers even while rank 0 hangs). None when the
+    store cannot be reached. `_get_default_store` is private: torch has no public accessor of
+    the default group's store (move to one if it gets one)."""
     try:
-        ranks = dist.get_process_group_ranks(frame.f_locals["group"] or dist.group.WORLD)
-    except (RuntimeError, ValueError, AttributeError, TypeError):  # not a group, or destroyed
-        return where
-    return f"{where} over ranks {ranks}"
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"hybrid2d/collective_failed/{me}", "1")
+        others = [r for r in ranks if r != me]
+        deadline = time.monotonic() + wait_s
+        while True:
+            missing = [r for r in others if not store.check([f"hybrid2d/collective_failed/{r}"])]
+            if not missing or time.monotonic() >= deadline:
+                return missing
+            time.sleep(0.1)
+    except Exception:  # noqa: BLE001 - the store is gone too: say nothing of the peers
+        return None
 
 
 def as_collective_error(error: BaseException, timeout_s: int) -> CollectiveError | None:
     """A failed collective (any backend) as this rank's one-line CollectiveError, naming the
-    rank and parallel.timeout_s; None for any other error."""
+    rank and parallel.timeout_s, and on gloo the ranks that did not come; None for any other
+    error."""
     reason = collective_failure(error)
     if reason is None:
         return None
-    rank = f"rank {world_from_env()[0]}"
+    me = world_from_env()[0]
+    rank = f"rank {me}"
+    ranks = _group_ranks(_collective_frame(error)) if reason.startswith("gloo: ") else None
+    absent = None if ranks is None else _did_not_come(ranks, me)
+    if absent:
+        who = f"rank {absent[0]}" if len(absent) == 1 else f"ranks {absent}"
+        reason += f"; {who} did not come (no failure of its own within {PEER_REPORT_S:g} s)"
     where = "" if reason.startswith(rank + ":") else rank + ": "
     return CollectiveError(f"{where}{reason} (parallel.timeout_s={timeout_s})")
 

@@ -18,6 +18,7 @@ from hybrid2d.errors import ConfigError
 from hybrid2d.launcher import (
     PreemptedAtStartUp,
     check_before_torch,
+    end_start_up,
     exit_with_launcher,
     stop_start_up_on_signals,
 )
@@ -92,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
             # torchrun, seeing this rank exit first, stops rank 0 and the line is lost.
             time.sleep(2)
         return 2 if isinstance(e, ConfigError) else 3
+    finally:
+        end_start_up()
     return 0
 
 

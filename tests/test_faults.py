@@ -376,9 +376,9 @@ import sys, time, torch, torch.distributed as dist
 from hybrid2d.mesh import as_collective_error, group_options, init_distributed
 init_distributed("cpu", 3, "off")
 backend, options = group_options(3)
-group = dist.new_group([0, 1], backend=backend, pg_options=options)
-if dist.get_rank() == 1:
-    time.sleep(8)  # hung: never comes to the all-reduce
+group = dist.new_group([0, 1, 2], backend=backend, pg_options=options)
+if dist.get_rank() == 2:
+    time.sleep(12)  # hung: never comes to the all-reduce
 else:
     try:
         dist.all_reduce(torch.ones(4), group=group)
@@ -388,12 +388,17 @@ else:
 
 
 @pytest.mark.slow
-def test_a_gloo_timeout_names_the_collective_and_its_group():
-    """gloo's own message names neither ('Timed out waiting 3000ms for recv operation'): the
-    line adds the collective and the group's ranks, read from the traceback."""
+def test_a_gloo_timeout_names_the_collective_its_group_and_the_rank_that_did_not_come():
+    """gloo's own message names none of them ('Timed out waiting 3000ms for recv operation'):
+    the line adds the collective and the group's ranks, read from the traceback, and the rank
+    that posted no failure of its own in the store."""
     from tests.launch import run_ranks
 
-    rank0, rank1 = run_ranks(2, ["-c", GLOO_TIMEOUT], timeout=120)
-    line = rank0.stdout.strip()
-    assert line.startswith("rank 0: gloo: "), rank0.stderr[-2000:] + rank1.stderr[-2000:]
-    assert line.endswith(" in all_reduce over ranks [0, 1] (parallel.timeout_s=3)"), line
+    *came, hung = run_ranks(3, ["-c", GLOO_TIMEOUT], timeout=120)
+    for rank, proc in enumerate(came):
+        line = proc.stdout.strip()
+        assert line.startswith(f"rank {rank}: gloo: "), proc.stderr[-2000:] + hung.stderr[-2000:]
+        assert line.endswith(
+            " in all_reduce over ranks [0, 1, 2]; rank 2 did not come (no failure of its own "
+            "within 3 s) (parallel.timeout_s=3)"
+        ), line

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from tests.launch import REPO, launcher_env, torchrun
+from tests.test_config import recipe_main
 from tests.test_faults import SMALL
 
 PR_SET_CHILD_SUBREAPER = 36  # prctl(2): orphaned descendants are reparented to this process
@@ -147,3 +148,48 @@ def test_sigterm_before_the_first_step_exits_0_with_one_line_and_leaves_nothing(
     again = run("recipes/llama.py")
     assert again.returncode == 0, again.stderr[-3000:]
     assert (run_dir / "summary.json").exists()
+
+
+def test_main_puts_the_start_up_handlers_back_when_it_returns_without_training():
+    """A test (or a tool) calling main in-process kept start-up's SIGTERM handler after a
+    refused setting: a later SIGTERM would have claimed to come before a first step."""
+    before = signal.getsignal(signal.SIGTERM)
+    assert recipe_main(["--list"]) == 0
+    assert recipe_main(["--train.steps", "0"]) == 2
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc: Linux")
+def test_sigterm_to_every_rank_while_rank_0_builds_the_data_stops_both_with_one_line(tmp_path):
+    """The scheduler's SIGTERM reaches every rank while rank 1 waits in a collective for rank 0
+    (which trains the tokenizer): rank 0 stops at once, and rank 1 when its wait ends."""
+    run_dir = tmp_path / "run"
+    cmd = torchrun(2, "recipes/llama.py", *SMALL, "--data.cache_dir", str(tmp_path / "cache"),
+                   "--train.steps", "3", "--metrics.run_dir", str(run_dir))  # fmt: skip
+    out, err = tmp_path / "out", tmp_path / "err"
+    with open(out, "w") as o, open(err, "w") as e:
+        job = subprocess.Popen(cmd, cwd=REPO, env=launcher_env(), stdout=o, stderr=e)
+    try:
+        deadline = time.monotonic() + 240
+        while "hybrid2d: recipe" not in out.read_text():  # the run dir exists; data is next
+            assert job.poll() is None, err.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.1)
+        ranks = [pid for pid in _descendants(job.pid) if _is_rank(pid)]
+        assert len(ranks) == 2
+        for pid in ranks:
+            os.kill(pid, signal.SIGTERM)
+        sent = time.monotonic()
+        job.wait(timeout=120)
+        took = time.monotonic() - sent
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    text, said = err.read_text(), out.read_text()
+    assert job.returncode == 0, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    assert said.count("SIGTERM before the first step: stopped") == 1, said[-2000:]
+    assert "step 1/" not in said and not run_dir.exists()
+    print(f"both ranks stopped {took:.1f} s after SIGTERM")

@@ -116,8 +116,9 @@ def test_every_rank_ends_with_an_error_within_timeout_plus_30_s(hung_job):
 
 
 def test_the_timeout_is_one_line_without_a_traceback(hung_job):
-    """The shared-memory transport names the collective and the hung rank; gloo says only
-    that a receive timed out (its message is all a gloo rank learns)."""
+    """The shared-memory transport names the collective and the hung rank; on gloo, whose
+    message says only that a receive timed out, the line names the collective and its group
+    (from the traceback) and the rank that posted no failure of its own in the store."""
     _, _, err, transport = hung_job
     lines = [ln for ln in err.splitlines() if ln.startswith("error: rank 0: ")]
     assert len(lines) == 1, err[-3000:]
@@ -125,8 +126,10 @@ def test_the_timeout_is_one_line_without_a_traceback(hung_job):
     if transport == "on":
         assert f"timed out after {TIMEOUT_S} s" in lines[0] and "ranks [1]" in lines[0]
         assert re.search(r"\((all_gather|reduce_scatter|all_reduce) \w+\[\d+\]\)", lines[0])
-    else:
+    else:  # gloo's own message names neither; the line adds both, from the traceback and store
         assert f"gloo: Timed out waiting {TIMEOUT_S * 1000}ms" in lines[0]
+        assert " over ranks [0, 1]; rank 1 did not come " in lines[0], lines[0]
+    print(lines[0])
     assert "[rank0]: Traceback" not in err and "[rank1]: Traceback" not in err, err[-3000:]
 
 

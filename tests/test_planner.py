@@ -881,6 +881,21 @@ def test_set_planned_settings_are_searched_and_launched_as_set(tmp_path, capsys,
         assert "parallelism_config_tp_size: 4" in config.read_text()
 
 
+def test_set_plan_auto_launches_plan_auto_and_shows_what_it_picks(capsys):
+    """--set parallel.plan=auto printed the planned sizes and then --parallel.plan auto: the
+    command is plan auto itself (with the --set planned values, which bound the trainer's
+    search too), and the plan it picks is shown beside it."""
+    plan_tool = load_tool("plan")
+    argv = ["--recipe", "llama-debug", "--nodes", "1", "--gpus-per-node", "8", "--gpu", "h100"]
+    argv += ["--set", "parallel.plan=auto", "--set", "parallel.tp=2"]
+    assert plan_tool.main(argv) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("flags: "))
+    command, picks = line.split("  (plan auto picks ")
+    assert command == "flags: --recipe llama-debug --parallel.plan auto --parallel.tp 2"
+    assert picks.endswith(" on 8 h100)") and "--parallel.tp 2 " in picks, picks
+    assert "--parallel.dp_shard " in picks and "--train.micro_batch " in picks
+
+
 def test_a_set_value_that_leaves_no_plan_says_what_would_work(tmp_path, capsys):
     """One line naming the setting and the values that give a plan; exit 5 (no valid plan) or
     6 (nothing fits), and no accelerate config."""
@@ -1007,6 +1022,33 @@ def test_check_run_compares_a_run_with_its_prediction(tmp_path, capsys):
     assert result["measured_step_s"] == pytest.approx(8 * 256 / 4096)
     assert result["measured_peak_gib"] == 1.0
     assert "step time  measured 0.500 s" in capsys.readouterr().out
+
+
+def test_check_run_prices_the_run_on_its_own_profile_and_tensor_peak(tmp_path, capsys):
+    """A CPU run (summary.json: plan.hardware cpu, tensors measured by --profile.memory) was
+    priced on the h100 preset and its process RSS compared with the tensor estimate."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(debug_job().to_dict()))
+    plan = {"hardware": "cpu", "measured_peak_bytes": 2**29, "peak_measured_as": "tensors, x"}
+    summary = {
+        "mesh": {"dp_replicate": 1, "dp_shard": 1, "tp": 1},
+        "tokens_per_s": 4096.0,
+        "peak_memory_bytes_per_rank": [2**31],  # the process's RSS
+        "plan": plan,
+    }
+    (run / "summary.json").write_text(json.dumps(summary))
+    plan_tool = load_tool("plan")
+    out = tmp_path / "check.json"
+    assert plan_tool.main(["--check-run", str(run), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["hardware"] == hardware.get("cpu").name
+    assert result["measured_peak_gib"] == 0.5 and result["measured_peak_as"] == "tensors, x"
+    assert "measured 0.50 GiB (tensors, x)" in capsys.readouterr().out
+    plan["hardware"] = "my-calibrated-box"  # no preset of that name, no file: say so
+    (run / "summary.json").write_text(json.dumps(summary))
+    assert plan_tool.main(["--check-run", str(run)]) == 2
+    assert "planned on profile 'my-calibrated-box', which is no preset" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("nodes", [1, 2])

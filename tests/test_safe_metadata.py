@@ -7,9 +7,10 @@ import pickle
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
-from hybrid2d.checkpoint.reader import read_metadata
-from hybrid2d.checkpoint.safe_metadata import MetadataReader
+from hybrid2d.checkpoint.reader import cause, read_metadata
+from hybrid2d.checkpoint.safe_metadata import MetadataReader, SafeLoadPlanner
 from hybrid2d.errors import ConfigError
 
 
@@ -69,3 +70,40 @@ def test_a_metadata_pickle_that_would_run_code_is_refused_by_name(tmp_path, targ
     with pytest.raises(pickle.UnpicklingError):  # dcp.load's own reading is guarded too
         MetadataReader(str(tmp_path / "ck")).read_metadata()
     assert not marker.exists()
+
+
+def test_a_non_tensor_entry_that_would_run_code_is_refused_and_plain_ones_load(tmp_path):
+    """A resume reads the trainer's non-tensor state, which DCP unpickles in full
+    (torch.load(weights_only=False)); SafeLoadPlanner reads it with weights_only=True first."""
+    marker = tmp_path / "ran"
+    state = {"trainer": {"step": 7, "lrs": [0.5, 0.25], "evil": None}}
+    path = tmp_path / "ck"
+    dcp.save(
+        {
+            "trainer": {
+                "step": 7,
+                "lrs": [0.5, 0.25],
+                "evil": _RunsCode(exec, f"open({str(marker)!r}, 'w').close()"),
+            }
+        },
+        checkpoint_id=str(path),
+        no_dist=True,
+    )
+    assert not marker.exists()
+    with pytest.raises(CheckpointException) as e:  # DCP's wrapper of each rank's error
+        dcp.load(
+            state,
+            storage_reader=MetadataReader(str(path)),
+            planner=SafeLoadPlanner(),
+            no_dist=True,
+        )
+    assert cause(e.value) == (
+        "UntrustedPickle: its entry trainer.evil is not a plain value, container or tensor: "
+        "refused to unpickle it (unpickling can run code)"
+    )
+    assert not marker.exists()
+    plain = {"trainer": {"step": 0, "lrs": [0.0, 0.0]}}
+    dcp.load(
+        plain, storage_reader=MetadataReader(str(path)), planner=SafeLoadPlanner(), no_dist=True
+    )
+    assert plain == {"trainer": {"step": 7, "lrs": [0.5, 0.25]}}

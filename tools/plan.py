@@ -15,7 +15,8 @@ the fastest that fit first. --gpu picks a preset (h100, h200, a100-80gb, b200, c
 --hardware FILE.json reads a profile (as --calibrate writes it). --validate measures every
 candidate of a small model on this machine with alternating runs (as tools/bench.py does) and
 writes predicted against measured into docs/planner.md, beside published GPU measurements.
---check-run compares a finished run's step time, MFU and peak memory with the prediction.
+--check-run compares a finished run's step time, MFU and peak memory with the prediction, on
+the profile the run was planned with (--gpu / --hardware: another) and its tensor peak.
 --set of a setting the planner chooses (parallel.dp_replicate, dp_shard, tp,
 activation_checkpoint, train.micro_batch) searches only the plans with that value.
 
@@ -230,6 +231,8 @@ def check(args) -> tuple[JobConfig, hwlib.Hardware, frozenset[str]]:
         hw = load_hardware(args) if (args.gpu or args.hardware) else None
     elif args.validate:
         hw = hwlib.load(args.hardware) if args.hardware else None
+    elif args.check_run and not (args.gpu or args.hardware):
+        hw = None  # the run's own profile (run_check)
     else:
         hw = load_hardware(args)
         if args.gpus_per_node is None:
@@ -283,7 +286,10 @@ def run_plan(args, cfg: JobConfig, hw: hwlib.Hardware, fixed: frozenset[str]) ->
         f"{best.micro_batch}: {best.step_s:.3g} s/step, {best.tokens_per_s_per_gpu:,.0f} "
         f"tokens/s per device, MFU {best.mfu:.1%}, {best.peak_gib:.1f} GiB per rank"
     )
-    print("flags: " + " ".join(flags))
+    picks = ""
+    if cfg.parallel.plan == "auto":  # the trainer plans again at launch: say what it will pick
+        picks = f"  (plan auto picks {' '.join(best.flags())} on {world} {hw.name})"
+    print("flags: " + " ".join(flags) + picks)
     if args.emit_accelerate_config:
         # Several nodes: each passes its own rank and the first node's address (the file is
         # the same on every node), as recipes/accelerate/gpu_multinode.yaml says.
@@ -354,7 +360,8 @@ def set_values(cfg: JobConfig, fixed: frozenset[str]) -> str:
 def launch_flags(best, cfg: JobConfig, args) -> list[str]:
     """recipes/llama.py arguments that run the best plan as planned, each setting once: the
     plan's choices, then the recipe's changes (a --set of a planned setting was searched with,
-    so the plan's value is the one set)."""
+    so the plan's value is the one set). With parallel.plan auto the trainer makes the choices
+    itself: only the changes, --set planned settings included (they bound its search too)."""
     changed = {}
     if args.global_batch is not None:
         changed["train.global_batch"] = str(cfg.train.global_batch)
@@ -363,9 +370,10 @@ def launch_flags(best, cfg: JobConfig, args) -> list[str]:
     for item in args.set:  # a later one wins, as in the settings
         key, value = item.split("=", 1)
         changed[key.replace("-", "_")] = value
-    flags = ["--recipe", cfg.recipe, *best.flags()]
+    auto = cfg.parallel.plan == "auto"
+    flags = ["--recipe", cfg.recipe, *([] if auto else best.flags())]
     for key, value in changed.items():
-        if key not in PLANNED:
+        if auto or key not in PLANNED:
             flags += [f"--{key}", value]
     return flags
 
@@ -438,19 +446,52 @@ def describe_profile(hw: hwlib.Hardware, raw: dict | None = None) -> str:
 # ---- a finished run against its prediction ---------------------------------------------------
 
 
-def run_check(args, hw: hwlib.Hardware) -> int:
-    """Step time, MFU and peak memory of a finished run beside the planner's prediction."""
+def run_profile(run_dir: str, cfg: JobConfig, summary: dict) -> hwlib.Hardware:
+    """The profile the run was planned with: its parallel.plan_hardware file, else the preset
+    summary.json's plan names (`cpu`: this host). A CPU run priced on the h100 preset read as
+    98% off."""
+    if cfg.parallel.plan_hardware:
+        if not os.path.isfile(cfg.parallel.plan_hardware):
+            raise ConfigError(
+                f"--check-run {run_dir}: its profile parallel.plan_hardware="
+                f"{cfg.parallel.plan_hardware} is gone; give a profile with --hardware FILE.json"
+            )
+        return hwlib.load(cfg.parallel.plan_hardware)
+    name = summary.get("plan", {}).get("hardware", "h100")
+    try:
+        return hwlib.get(name)
+    except ConfigError:
+        raise ConfigError(
+            f"--check-run {run_dir}: it was planned on profile {name!r}, which is no preset; "
+            "give its profile with --hardware FILE.json"
+        ) from None
+
+
+def run_check(args, hw: hwlib.Hardware | None) -> int:
+    """Step time, MFU and peak memory of a finished run beside the planner's prediction, on
+    the run's own profile unless --gpu / --hardware names another."""
     with open(os.path.join(args.check_run, "summary.json")) as f:
         summary = json.load(f)
     with open(os.path.join(args.check_run, "config.json")) as f:
         cfg = JobConfig.from_dict(json.load(f))
+    try:
+        hw = hw or run_profile(args.check_run, cfg, summary)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     mesh = RunLayout.on_mesh(cfg, tuple(summary["mesh"][k] for k in MESH_DIMS))
-    gpus = min(mesh.world, args.gpus_per_node)
+    gpus = min(mesh.world, args.gpus_per_node or hw.gpus_per_node)
     cand = predict(cfg, mesh, hw, gpus, args.headroom)
     tokens = cfg.train.global_batch * cfg.train.seq_len
     # positions_per_s counts padding too (tokens_per_s, real tokens only, since packing)
     step = tokens / summary.get("positions_per_s", summary["tokens_per_s"])
-    peak = max(summary["peak_memory_bytes_per_rank"]) / 2**30
+    # The run's tensor peak where it measured one (CUDA; --profile.memory elsewhere): the
+    # estimate counts tensors. Else the process peak, said to be one (it counts the runtime).
+    plan = summary.get("plan", {})
+    tensors = "measured_peak_bytes" in plan
+    peak = plan["measured_peak_bytes"] if tensors else max(summary["peak_memory_bytes_per_rank"])
+    peak /= 2**30
+    peak_as = plan.get("peak_measured_as", "tensors") if tensors else "process peak, not tensors"
     devices = mesh.world if not hw.host_cores else math.ceil(mesh.world / gpus)
     mfu = flops_per_token(cfg.model, cfg.train.seq_len) * tokens / step
     mfu /= hw.peak_flops * devices
@@ -465,6 +506,7 @@ def run_check(args, hw: hwlib.Hardware) -> int:
         "measured_mfu": mfu,
         "planned_mfu": cand.mfu,
         "measured_peak_gib": peak,
+        "measured_peak_as": peak_as,
         "estimated_peak_gib": cand.peak_gib,
         "memory_error": (cand.peak_gib - peak) / peak if peak else None,
     }
@@ -474,7 +516,7 @@ def run_check(args, hw: hwlib.Hardware) -> int:
         f"  step time  measured {step:.3f} s, planned {cand.step_s:.3f} s "
         f"({out['step_error']:+.0%})\n"
         f"  MFU        measured {mfu:.1%}, planned {cand.mfu:.1%}\n"
-        f"  peak/rank  measured {peak:.2f} GiB, estimated {cand.peak_gib:.2f} GiB"
+        f"  peak/rank  measured {peak:.2f} GiB ({peak_as}), estimated {cand.peak_gib:.2f} GiB"
         + (f" ({out['memory_error']:+.0%})" if peak else "")
     )
     if args.json:

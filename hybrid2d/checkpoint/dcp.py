@@ -61,7 +61,7 @@ from hybrid2d.checkpoint.reader import (
     read_config,
     read_metadata,
 )
-from hybrid2d.checkpoint.safe_metadata import MetadataReader
+from hybrid2d.checkpoint.safe_metadata import MetadataReader, SafeLoadPlanner
 from hybrid2d.config import CheckpointConfig, JobConfig
 from hybrid2d.errors import ConfigError
 from hybrid2d.mesh import agree, print0
@@ -422,7 +422,8 @@ class Checkpointer:
         agree(error)
         what = f"checkpoint {path} cannot be loaded"
         with as_config_error(what, "it is truncated or corrupted, use an earlier one"):
-            dcp.load(state, storage_reader=MetadataReader(str(path)))  # allow-listed metadata
+            # allow-listed metadata, non-tensor entries read with weights_only=True first
+            dcp.load(state, storage_reader=MetadataReader(str(path)), planner=SafeLoadPlanner())
         for place, obj in self.states.items():
             holder, key = _inside(state, place)
             obj.load_state_dict(holder[key])

@@ -724,9 +724,10 @@ def _source_model(
         with HFCheckpoint(path) as ckpt:
             found = model_config_from_hf(ckpt.config, os.path.join(path, "config.json"))
     else:
+        meta = read_metadata(Path(path))  # damaged: named before --model.* is compared with it
         found = read_saved_model_config(path)
         if found is None:
-            model_entries(read_metadata(Path(path)), path)  # not a DCP checkpoint: says so
+            model_entries(meta, path)  # not a DCP checkpoint: says so
     tokenizer = source_tokenizer(cfg, path)
     if found is None:
         return None, tokenizer

@@ -135,6 +135,8 @@ class SafetensorsFile(contextlib.AbstractContextManager):
             header = json.loads(self._f.read(n))
         except (ValueError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{path} has a malformed safetensors header ({e})") from None
+        if not isinstance(header, dict) or not all(isinstance(v, dict) for v in header.values()):
+            raise CheckpointError(f"{path} has a malformed safetensors header (not a JSON object)")
         header.pop("__metadata__", None)
         base = 8 + n
         self.tensors: dict[str, TensorInfo] = {}
@@ -145,8 +147,14 @@ class SafetensorsFile(contextlib.AbstractContextManager):
                     f"{path}: tensor {name} has dtype {entry.get('dtype')!r}; supported: "
                     f"{', '.join(DTYPES)}"
                 )
-            shape = tuple(int(s) for s in entry["shape"])
-            lo, hi = (int(x) for x in entry["data_offsets"])
+            try:
+                shape = tuple(int(s) for s in entry["shape"])
+                lo, hi = (int(x) for x in entry["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(
+                    f"{path}: tensor {name}'s header entry has no valid shape and data_offsets "
+                    "(a damaged safetensors file); download or export it again"
+                ) from None
             info = TensorInfo(name, dtype, shape, base + lo)
             if hi - lo != info.nbytes or base + hi > size:
                 raise CheckpointError(

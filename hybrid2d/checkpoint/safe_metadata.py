@@ -5,9 +5,9 @@ the moment it is opened. Here it is unpickled with an allow-list of what torch w
 layouts, torch.Size, paths and plain builtin containers), and anything else is refused by name,
 before a single object is built from it.
 
-Only the metadata: DCP reads tensors with torch.load(weights_only=True) already. A resume also
-reads the run's own non-tensor state (step, schedule, data position), which DCP unpickles with
-weights_only=False (README: resume only from run dirs you trust).
+DCP reads tensors with torch.load(weights_only=True) already, but a resume's non-tensor state
+(step, schedule, data position, optimizer hyper-parameters) with weights_only=False:
+`SafeLoadPlanner` reads those with weights_only=True first (plain values, containers, tensors).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import typing
 import torch
 import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 _DCP_METADATA = {
@@ -81,3 +82,20 @@ class MetadataReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner whose non-tensor entries must load with weights_only=True: each is
+    read that way first, and only then handed to DCP's own load_bytes (which unpickles it in
+    full; reading twice keeps to DCP's public planner API, and these entries are a few bytes)."""
+
+    def load_bytes(self, read_item, value) -> None:
+        try:
+            torch.load(value, weights_only=True)
+        except pickle.UnpicklingError:
+            raise UntrustedPickle(
+                f"its entry {read_item.dest_index.fqn} is not a plain value, container or "
+                "tensor: refused to unpickle it (unpickling can run code)"
+            ) from None
+        value.seek(0)
+        super().load_bytes(read_item, value)

@@ -28,7 +28,7 @@ from tokenizers import Tokenizer
 
 from hybrid2d.config import JobConfig
 from hybrid2d.data.batch import Batch
-from hybrid2d.data.cache import atomic_path, cache_key, must_build, save_npy
+from hybrid2d.data.cache import atomic_path, cache_key, must_build, read_cached, save_npy
 from hybrid2d.data.chat import load_chat_template
 from hybrid2d.data.corpus import corpus_identity, source_files
 from hybrid2d.data.instruct import (
@@ -224,8 +224,8 @@ def _instruct_cache(
         meta = {"pad_id": ds.pad_id, "seq_len": ds.seq_len, "stats": dataclasses.asdict(ds.stats)}
         with atomic_path(meta_path) as tmp:
             tmp.write_text(json.dumps(meta))
-    meta = json.loads(meta_path.read_text())
-    arrays = [np.load(folder / f"{n}.npy", mmap_mode="r") for n in names]
+    meta = read_cached(meta_path, lambda p: json.loads(p.read_text()))
+    arrays = [read_cached(folder / f"{n}.npy", lambda p: np.load(p, mmap_mode="r")) for n in names]
     stats = InstructStats(**meta["stats"])
     return InstructionDataset(*arrays[:3], meta["seq_len"], meta["pad_id"], stats, *arrays[3:])
 

@@ -48,6 +48,19 @@ def save_npy(dest: pathlib.Path, array: np.ndarray) -> None:
         np.save(f, array)
 
 
+def read_cached(path: pathlib.Path, load):
+    """load(path) of a cache file; a damaged one (truncated, overwritten, not what was saved)
+    is one ConfigError naming it: the cache is only ever rebuilt, never repaired."""
+    try:
+        return load(path)
+    except Exception as e:  # np.load, json and the tokenizers library each raise their own
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(
+            f"data cache file {path} is damaged ({first}); delete it and launch again, "
+            "it is rebuilt from the data"
+        ) from None
+
+
 def must_build(path: pathlib.Path, build: bool, cache_dir: pathlib.Path, what: str) -> bool:
     """True if `path` is missing and this process builds it (`build`: the main process); to the
     others, which read it after the main process built it, a missing path is an error."""

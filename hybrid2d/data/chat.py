@@ -128,6 +128,8 @@ def load_chat_template(setting: str) -> ChatTemplate | None:
             config = json.loads(cfg_path.read_text(encoding="utf-8"))
         except ValueError as e:
             raise ConfigError(f"data.tokenizer={setting!r}: {cfg_path} is not JSON ({e})") from None
+        if not isinstance(config, dict):
+            raise ConfigError(f"data.tokenizer={setting!r}: {cfg_path} is not a JSON object")
     special = {}
     for key in SPECIAL_KEYS:
         text = _token_text(config.get(key))
@@ -135,7 +137,10 @@ def load_chat_template(setting: str) -> ChatTemplate | None:
             special[key] = text
     jinja = d / TEMPLATE_FILE
     if jinja.is_file():
-        return ChatTemplate(jinja.read_text(encoding="utf-8"), special, str(jinja))
+        try:
+            return ChatTemplate(jinja.read_text(encoding="utf-8"), special, str(jinja))
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"chat template {jinja} is not UTF-8 text ({e})") from None
     source = config.get("chat_template")
     if isinstance(source, list):  # [{"name": ..., "template": ...}]
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}

@@ -12,7 +12,7 @@ import pathlib
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from hybrid2d.config import DataConfig, JobConfig
-from hybrid2d.data.cache import atomic_path, cache_key, must_build
+from hybrid2d.data.cache import atomic_path, cache_key, must_build, read_cached
 from hybrid2d.data.corpus import corpus_documents, corpus_identity
 from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
@@ -40,7 +40,7 @@ def load_or_train_tokenizer(
                 train_bpe(corpus_documents(cfg), vocab_size).save(str(tmp))
         # Loading what was saved (also right after training) makes every process hash and use
         # byte-identical tokenizers.
-        tok = Tokenizer.from_file(str(path))
+        tok = read_cached(path, lambda p: Tokenizer.from_file(str(p)))
     n = vocab_extent(tok)
     if n > vocab_size:
         raise ConfigError(

@@ -16,7 +16,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from hybrid2d.config import DataConfig
-from hybrid2d.data.cache import cache_key, must_build, save_npy
+from hybrid2d.data.cache import cache_key, must_build, read_cached, save_npy
 from hybrid2d.data.corpus import corpus_documents, corpus_identity
 from hybrid2d.data.tokenizer import (
     eos_id,
@@ -46,7 +46,7 @@ def tokenize_corpus(
     path = pathlib.Path(cache_dir) / "tokens" / f"{key}.npy"
     if must_build(path, build, cache_dir, f"token cache {path.name}"):
         save_npy(path, encode_documents(corpus_documents(cfg, setting), tok))
-    return np.load(path, mmap_mode="r")
+    return read_cached(path, lambda p: np.load(p, mmap_mode="r"))
 
 
 def encode_documents(docs, tok: Tokenizer) -> np.ndarray:

@@ -135,11 +135,22 @@ class MemoryProfiler:
 
 
 def load_measured(run_dir: str) -> list[dict]:
-    """The last step's StepMemory dict of each rank, from RUN/memory/rank*.json."""
-    out = []
+    """The last step's StepMemory dict of each rank of the newest launch, from
+    RUN/memory/rank*.json. A resume on fewer ranks leaves the earlier launch's higher ranks'
+    files behind; rank 0's file, written by every launch, gives the world and mesh that count."""
+    files = {}
     for path in glob.glob(os.path.join(run_dir, "memory", "rank*.json")):
         with open(path) as f:
-            out += json.load(f)["steps"][-1:]
+            files[path] = json.load(f)
+    newest = files.get(os.path.join(run_dir, "memory", "rank0.json"))
+    out = []
+    for data in files.values():
+        if newest is None or (
+            data.get("world_size") == newest.get("world_size")
+            and data.get("mesh") == newest.get("mesh")
+            and data.get("rank", 0) < newest.get("world_size", 1)
+        ):
+            out += data["steps"][-1:]
     return sorted(out, key=lambda r: r["rank"])
 
 
