@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from bench import torchrun_command  # this script's folder
 
+from hybrid2d.cli import OneLineParser
 from hybrid2d.config import JobConfig, ModelConfig
 from hybrid2d.data.instruct import InstructionDataset, InstructStats
 from hybrid2d.models.attention import dense_mask
@@ -277,7 +278,7 @@ def _timed(fn, backward: bool) -> float:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("mode", choices=["data", "masks", "worker"])
     p.add_argument("--data", help="an instruction .jsonl (the walkthrough's train.jsonl)")
     p.add_argument("--tokenizer", help="the tokenizer for --data (the walkthrough's tiny-chat)")
