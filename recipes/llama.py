@@ -90,7 +90,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr, flush=True)
         else:
             # Every rank found the same error; give rank 0 the time to print it before
-            # torchrun, seeing this rank exit first, stops rank 0 and the line is lost.
+            # torchrun, seeing this rank exit first, stops rank 0 and the line is lost. The
+            # launcher may stop this rank meanwhile (another rank exited first): that SIGTERM
+            # is no start-up preemption, so start-up's handlers go first.
+            end_start_up()
             time.sleep(2)
         return 2 if isinstance(e, ConfigError) else 3
     finally:
