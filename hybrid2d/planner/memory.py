@@ -24,7 +24,7 @@ attention and MLP see the gathered sequence with their heads / ffn split over tp
     MLP            4 * N * ffn / tp * c           gate, act(gate), up, their product
 
 (each norm also keeps its fp32 rstd, 4 bytes a row). When tp exceeds the kv heads, each rank
-holds whole k/v weights (`ParamInfo.heads`) and computes the one kv head its query heads use:
+holds whole k/v weights (`ParamInfo.max_shards`) and computes the one kv head its query heads use:
 kv_heads / tp above is then 1 (`kv_heads_per_rank`).
 
 with c the compute bytes (4 fp32, 2 bf16). With activation checkpointing a block keeps only its
@@ -81,7 +81,7 @@ class ParamInfo:
     shape: tuple[int, ...]
     tp_dim: int | None  # the dim split over tp; None: replicated over tp
     unit: int  # FSDP unit: block index, or -1 for the root
-    heads: int = 0  # kv heads on tp_dim: a tp above this keeps the tensor whole; 0: no limit
+    max_shards: int | None = None  # past this many tp ranks: replicated (kv heads)
 
 
 def kv_heads_per_rank(m: ModelConfig, tp: int) -> int:
@@ -108,10 +108,10 @@ def _model_params(key: tuple) -> tuple[ParamInfo, ...]:
         # The plan's own patterns (`*` for the block index) decide the split, as at run time.
         styles = [st for pattern, st in plan.items() if _matches(module_path, pattern)]
         tp_dim = styles[0].shard_dim if styles else None
+        most = m.n_kv_heads if module_path.endswith(KV_PROJECTIONS) else None
         match = re.match(r"model\.layers\.(\d+)\.", name)
-        heads = m.n_kv_heads if module_path.endswith(KV_PROJECTIONS) else 0
         unit = int(match.group(1)) if match else -1
-        out.append(ParamInfo(name, tuple(p.shape), tp_dim, unit, heads))
+        out.append(ParamInfo(name, tuple(p.shape), tp_dim, unit, most))
     return tuple(out)
 
 
@@ -121,7 +121,7 @@ def _matches(path: str, pattern: str) -> bool:
 
 
 def tp_local_shape(p: ParamInfo, tp: int) -> tuple[int, ...]:
-    if p.tp_dim is None or tp == 1 or (p.heads and tp > p.heads):
+    if p.tp_dim is None or tp == 1 or (p.max_shards and tp > p.max_shards):
         return p.shape
     shape = list(p.shape)
     shape[p.tp_dim] = math.ceil(shape[p.tp_dim] / tp)  # the config makes these divide
