@@ -37,6 +37,7 @@ from hybrid2d.metrics.summary import run_summary, write_summary
 from hybrid2d.models.llama import Llama
 from hybrid2d.optim import build_optimizer, build_scheduler, clip_grad_norm, follow_settings
 from hybrid2d.parallel import parallelize
+from hybrid2d.parallel.lora import init_adapters
 from hybrid2d.parallel.loss import cross_entropy, loss_tokens
 from hybrid2d.planner.launch import check_planned_memory, describe_plan, planned, planner_profile
 from hybrid2d.preemption import Preemption
@@ -51,10 +52,14 @@ def build_model(cfg: JobConfig, mesh: Mesh, resuming: bool = False) -> Llama:
     model, minutes of reading on every restart) nor a random init is done first."""
     with torch.device("meta"):
         model = Llama(mesh.layout.model)
-    parallelize(model, mesh, cfg.parallel)
+    parallelize(model, mesh, cfg.parallel, cfg.lora)
     model.to_empty(device=mesh.device)
     model.tie_weights()
-    if resuming:
+    if cfg.lora.rank:
+        # A LoRA checkpoint holds the adapters only: the frozen base is read again on resume.
+        _load_base(model, cfg)
+        init_adapters(model, cfg.train.seed)
+    elif resuming:
         model.init_buffers()
         if cfg.checkpoint.init_from:
             print0(f"init_from {cfg.checkpoint.init_from}: not read, the resumed checkpoint has it")
@@ -64,6 +69,14 @@ def build_model(cfg: JobConfig, mesh: Mesh, resuming: bool = False) -> Llama:
     else:
         model.init_weights(cfg.train.seed)
     return model
+
+
+def _load_base(model: Llama, cfg: JobConfig) -> None:
+    """The frozen base of a LoRA run: init_from, or the seeded init without one."""
+    if cfg.checkpoint.init_from:
+        print0(describe_load(load_pretrained(model, cfg.checkpoint.init_from)))
+    else:
+        model.init_weights(cfg.train.seed)
 
 
 @dataclass
