@@ -109,7 +109,7 @@ class Trainer:
         """What a checkpoint holds of this trainer, by place, in the order a load needs: the
         optimizer's state before this trainer's own (load_state_dict sets its lr again)."""
         return {
-            MODEL: ModelState(self.model),
+            MODEL: ModelState(self.model, trainable_only=bool(self.cfg.lora.rank)),
             OPTIMIZER: OptimizerState(self.model, self.optimizer),
             TRAINER: self,
         }

@@ -33,9 +33,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from hybrid2d.config import LoraConfig
+from hybrid2d.config import LoraConfig, ModelConfig
 from hybrid2d.errors import ConfigError
-from hybrid2d.models.llama import copy_full_into
+from hybrid2d.models.llama import Llama, copy_full_into
 from hybrid2d.parallel.activation_checkpoint import mark_output_not_kept
 from hybrid2d.parallel.sequence_comm import reduce_scatter_sequence
 
@@ -196,3 +196,12 @@ def init_adapters(model: nn.Module, seed: int) -> None:
 def adapter_state(model: nn.Module) -> dict[str, nn.Parameter]:
     """The adapters by name (what a LoRA checkpoint saves and the optimizer trains)."""
     return {n: p for n, p in model.named_parameters() if is_adapter(n)}
+
+
+def adapter_shapes(model: ModelConfig, lcfg: LoraConfig) -> dict[str, tuple[int, ...]]:
+    """Full shape of every adapter of this model and these settings (what a LoRA training
+    checkpoint's model entry holds); no memory."""
+    with torch.device("meta"):
+        llama = Llama(model)
+    apply_lora(llama, lcfg)
+    return {n: tuple(p.shape) for n, p in adapter_state(llama).items()}

@@ -1,0 +1,114 @@
+"""LoRA adapters on disk: what a LoRA training checkpoint holds and must match, and PEFT's
+adapter format (`adapter_model.safetensors` + `adapter_config.json`) written from it.
+
+A LoRA training checkpoint holds the adapters, the optimizer's state of them and the trainer's
+progress, not the frozen base (it would double the checkpoint for nothing). Its config.json
+records where the base came from (`checkpoint.init_from`, or the seeded init: `train.seed`) and
+its dtype; a resume must name the same base, or the adapters would sit on other weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from hybrid2d.checkpoint.hf import parse_init_from
+from hybrid2d.checkpoint.reader import (
+    check_model_shapes,
+    expected_model_shapes,
+    iter_model_tensors,
+    read_config,
+)
+from hybrid2d.config import JobConfig
+from hybrid2d.errors import ConfigError
+from hybrid2d.parallel.lora import adapter_shapes
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+PEFT_PREFIX = "base_model.model."  # PEFT's key of a wrapped causal LM's parameter
+
+
+def run_model_shapes(cfg: JobConfig) -> dict[str, tuple[int, ...]]:
+    """The model tensors a training checkpoint of this run holds: the adapters (LoRA) or the
+    whole model."""
+    if cfg.lora.rank:
+        return adapter_shapes(cfg.model, cfg.lora)
+    return expected_model_shapes(cfg.model)
+
+
+def base_source(cfg: JobConfig) -> str:
+    """Where a LoRA run's frozen base comes from, in words that compare: the resolved path of
+    init_from, or the seeded init; with its dtype."""
+    if cfg.checkpoint.init_from:
+        kind, path = parse_init_from(cfg.checkpoint.init_from)
+        where = f"{kind}:{os.path.realpath(path)}"
+    else:
+        where = f"the seeded init (train.seed={cfg.train.seed})"
+    return f"{where} in {cfg.lora.base_dtype}"
+
+
+def check_same_base(path: Path, cfg: JobConfig) -> None:
+    """One line if the LoRA checkpoint at `path` was trained on another base than this run's."""
+    saved = read_config(path)
+    if not cfg.lora.rank or saved is None or not saved.lora.rank:
+        return
+    theirs, mine = base_source(saved), base_source(cfg)
+    if theirs != mine:
+        hint = (
+            f"--checkpoint.init_from {saved.checkpoint.init_from}"
+            if saved.checkpoint.init_from
+            else f"--train.seed {saved.train.seed} and no checkpoint.init_from"
+        )
+        raise ConfigError(
+            f"checkpoint {path} holds adapters trained on the base {theirs}, this launch's base "
+            f"is {mine}; resume with {hint} --lora.base_dtype {saved.lora.base_dtype}"
+        )
+
+
+def peft_config(cfg: JobConfig, base_model: str | None) -> dict:
+    """adapter_config.json of a run's adapters, as PEFT's LoraConfig writes it."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": cfg.lora.rank,
+        "lora_alpha": cfg.lora.alpha,
+        "lora_dropout": cfg.lora.dropout,
+        "target_modules": sorted(cfg.lora.target_names()),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "inference_mode": True,
+    }
+
+
+def export_peft(step_dir: Path, meta, out: Path, dtype: torch.dtype) -> tuple[JobConfig, int]:
+    """Write `out`/adapter_model.safetensors + adapter_config.json from a LoRA training
+    checkpoint (its metadata `meta` read); returns the run's settings and the tensor count."""
+    cfg = read_config(step_dir)
+    if cfg is None or not cfg.lora.rank:
+        raise ConfigError(
+            f"checkpoint {step_dir} is not a LoRA run's (lora.rank=0 or no config.json); "
+            "export it whole with tools/export_checkpoint.py"
+        )
+    shapes = run_model_shapes(cfg)
+    check_model_shapes(step_dir, meta, shapes, cfg.model)
+    tensors = {
+        PEFT_PREFIX + name: t.to(dtype).contiguous()
+        for name, t in iter_model_tensors(step_dir, meta, list(shapes))
+    }
+    base = None
+    if cfg.checkpoint.init_from:
+        kind, path = parse_init_from(cfg.checkpoint.init_from)
+        base = os.path.realpath(path) if kind == "hf" else None
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    (out / ADAPTER_CONFIG).write_text(json.dumps(peft_config(cfg, base), indent=2) + "\n")
+    return cfg, len(tensors)
