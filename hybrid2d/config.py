@@ -334,6 +334,9 @@ class LoraConfig:
     # dtype of the frozen base weights (the adapters are always fp32): bf16 halves their
     # memory; fp32 keeps the base exact.
     base_dtype: Literal["fp32", "bf16"] = "fp32"
+    # A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to start the
+    # adapters from, on the base checkpoint.init_from names; "": PEFT's initial values.
+    init_from: str = ""
 
     def target_names(self) -> tuple[str, ...]:
         """The targeted layer names, checked: one line naming a target that matches none."""
@@ -430,6 +433,11 @@ class JobConfig:
             )
         if self.lora.rank:
             self.lora.target_names()
+        elif self.lora.init_from:
+            raise ConfigError(
+                f"lora.init_from={self.lora.init_from!r} needs adapters: set lora.rank to the "
+                "adapter's rank (its adapter_config.json's r)"
+            )
         if "S" in m.layer_types and not m.sliding_window:
             raise ConfigError(
                 f"model.layer_types={m.layer_types!r} has sliding layers but "

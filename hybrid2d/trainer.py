@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hybrid2d.checkpoint.adapters import load_peft, read_peft
 from hybrid2d.checkpoint.dcp import Checkpointer, find_resume
 from hybrid2d.checkpoint.hf import describe_load, load_pretrained
 from hybrid2d.checkpoint.reader import MODEL, OPTIMIZER, TRAINER
@@ -50,6 +51,9 @@ def build_model(cfg: JobConfig, mesh: Mesh, resuming: bool = False) -> Llama:
     """Meta-device model -> TP -> AC -> compile -> FSDP -> materialise this rank's shards.
     Resuming, the parameters are left for the checkpoint to fill: neither init_from (on a large
     model, minutes of reading on every restart) nor a random init is done first."""
+    peft = None  # checked before anything is built
+    if cfg.lora.rank and cfg.lora.init_from and not resuming:
+        peft = read_peft(cfg.lora.init_from, cfg.lora, mesh.layout.model)
     with torch.device("meta"):
         model = Llama(mesh.layout.model)
     parallelize(model, mesh, cfg.parallel, cfg.lora)
@@ -59,6 +63,8 @@ def build_model(cfg: JobConfig, mesh: Mesh, resuming: bool = False) -> Llama:
         # A LoRA checkpoint holds the adapters only: the frozen base is read again on resume.
         _load_base(model, cfg)
         init_adapters(model, cfg.train.seed)
+        if peft is not None:
+            load_peft(model, peft)
     elif resuming:
         model.init_buffers()
         if cfg.checkpoint.init_from:

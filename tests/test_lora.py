@@ -5,6 +5,7 @@ import torch
 
 pytest.importorskip("peft")
 
+from hybrid2d.checkpoint.adapters import load_peft, read_peft  # noqa: E402
 from hybrid2d.config import JobConfig, LoraConfig  # noqa: E402
 from hybrid2d.errors import ConfigError  # noqa: E402
 from hybrid2d.models.llama import Llama  # noqa: E402
@@ -171,3 +172,32 @@ def test_meshes_equal_single_process_peft(tmp_path):
         # Adapters of rank 5 on 40-wide layers are a quarter of a block's weights here, and the
         # replicated pieces are not split by tp: 0.30 of full fine-tuning's bytes on 2x2.
         assert lora["bytes"]["fsdp_reduce_scatter"] < full["bytes"]["fsdp_reduce_scatter"] / 2
+
+
+def test_adapters_from_a_peft_directory(tmp_path):
+    """lora.init_from: adapters PEFT itself saved load into our model with PEFT's logits; an
+    adapter of another rank or another architecture is one line."""
+    lcfg = lora_settings(targets="q_proj,o_proj,up_proj")
+    model = ours(odd_model(), lcfg, seed=1)
+    twin = peft_twin(model, lcfg)
+    with torch.no_grad():
+        for p in peft_adapters(twin).values():
+            p.normal_(0, 0.2)
+    twin.save_pretrained(str(tmp_path / "adapter"))
+    cfg = JobConfig(model=odd_model(), lora=lcfg)
+    load_peft(model, read_peft(str(tmp_path / "adapter"), cfg.lora, cfg.model))
+    tokens = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(tokens), twin(input_ids=tokens).logits, rtol=1e-5, atol=1e-6
+        )
+
+    with pytest.raises(ConfigError, match=r"the adapter has r=5, this run lora.rank=4; use"):
+        read_peft(str(tmp_path / "adapter"), lora_settings(4, targets=lcfg.targets), cfg.model)
+    with pytest.raises(ConfigError, match=r"fits no adapter of this model .*another"):
+        read_peft(str(tmp_path / "adapter"), lcfg, tp4_model())
+    with pytest.raises(ConfigError, match=r"^lora.init_from=.*no adapter_config.json there"):
+        read_peft(str(tmp_path), lcfg, cfg.model)
+    cfg.lora = LoraConfig(rank=0, init_from=str(tmp_path / "adapter"))
+    with pytest.raises(ConfigError, match=r"^lora.init_from=.* needs adapters: set lora.rank"):
+        cfg.check_settings()

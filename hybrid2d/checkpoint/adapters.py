@@ -14,7 +14,9 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
 from hybrid2d.checkpoint.hf import parse_init_from
 from hybrid2d.checkpoint.reader import (
@@ -23,9 +25,10 @@ from hybrid2d.checkpoint.reader import (
     iter_model_tensors,
     read_config,
 )
-from hybrid2d.config import JobConfig
+from hybrid2d.config import JobConfig, LoraConfig, ModelConfig
 from hybrid2d.errors import ConfigError
-from hybrid2d.parallel.lora import adapter_shapes
+from hybrid2d.models.llama import copy_full_into
+from hybrid2d.parallel.lora import adapter_shapes, adapter_state
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -112,3 +115,57 @@ def export_peft(step_dir: Path, meta, out: Path, dtype: torch.dtype) -> tuple[Jo
     save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     (out / ADAPTER_CONFIG).write_text(json.dumps(peft_config(cfg, base), indent=2) + "\n")
     return cfg, len(tensors)
+
+
+def read_peft(path: str, lcfg: LoraConfig, model: ModelConfig) -> dict[str, torch.Tensor]:
+    """A PEFT adapter directory's tensors under our names, checked against this run's LoRA
+    settings and model (one line for each mismatch: rank, alpha, targets, a tensor's name or
+    shape, as an adapter of another architecture has)."""
+    where = f"lora.init_from={path}"
+    config_file, weights = Path(path) / ADAPTER_CONFIG, Path(path) / ADAPTER_WEIGHTS
+    for f in (config_file, weights):
+        if not f.is_file():
+            raise ConfigError(f"{where}: no {f.name} there; give a PEFT adapter directory")
+    try:
+        saved = json.loads(config_file.read_text())
+    except ValueError as e:
+        raise ConfigError(f"{where}: {ADAPTER_CONFIG} is not JSON ({e})") from None
+    if not isinstance(saved, dict) or saved.get("peft_type") != "LORA":
+        raise ConfigError(f"{where}: {ADAPTER_CONFIG} is not a LoRA adapter's (peft_type LORA)")
+    for key, mine, flag in (("r", lcfg.rank, "rank"), ("lora_alpha", lcfg.alpha, "alpha")):
+        if saved.get(key) != mine:
+            raise ConfigError(
+                f"{where}: the adapter has {key}={saved.get(key)}, this run lora.{flag}={mine}; "
+                f"use --lora.{flag} {saved.get(key)}"
+            )
+    targets = saved.get("target_modules")
+    theirs = sorted(targets) if isinstance(targets, list) else targets
+    if theirs != sorted(lcfg.target_names()):
+        raise ConfigError(
+            f"{where}: the adapter targets {theirs}, this run {sorted(lcfg.target_names())}; "
+            f"use --lora.targets {','.join(theirs) if isinstance(theirs, list) else theirs}"
+        )
+    shapes = adapter_shapes(model, lcfg)
+    out = {}
+    with safe_open(str(weights), "pt") as f:
+        for key in f.keys():
+            name = key.removeprefix(PEFT_PREFIX)
+            shape = tuple(f.get_slice(key).get_shape())
+            if shapes.get(name) != shape:
+                raise ConfigError(
+                    f"{where}: {key} (shape {list(shape)}) fits no adapter of this model "
+                    f"({name} here: {list(shapes[name]) if name in shapes else 'none'}); "
+                    "an adapter for another model or architecture"
+                )
+            out[name] = f.get_tensor(key)
+    missing = sorted(set(shapes) - set(out))
+    if missing:
+        raise ConfigError(f"{where}: the adapter has no {missing[0]}")
+    return out
+
+
+@torch.no_grad()
+def load_peft(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy `read_peft`'s tensors into the model's adapters (each rank its own shard)."""
+    for name, param in adapter_state(model).items():
+        copy_full_into(param, tensors[name])
