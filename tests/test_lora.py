@@ -6,10 +6,11 @@ import torch
 pytest.importorskip("peft")
 
 from hybrid2d.checkpoint.adapters import load_peft, read_peft  # noqa: E402
+from hybrid2d.checkpoint.hf import model_config_from_hf  # noqa: E402
 from hybrid2d.config import JobConfig, LoraConfig  # noqa: E402
 from hybrid2d.errors import ConfigError  # noqa: E402
 from hybrid2d.models.llama import Llama  # noqa: E402
-from hybrid2d.parallel.lora import apply_lora, is_adapter  # noqa: E402
+from hybrid2d.parallel.lora import apply_lora, init_adapters, is_adapter  # noqa: E402
 from tests.launch import check_ok, run_ranks  # noqa: E402
 from tests.lora_reference import (  # noqa: E402
     batches,
@@ -23,6 +24,7 @@ from tests.lora_reference import (  # noqa: E402
     tp4_model,
     train_peft,
 )
+from tests.test_families import TOKENS, make_hf  # noqa: E402
 
 
 def train_ours(model, data, lr):
@@ -201,3 +203,30 @@ def test_adapters_from_a_peft_directory(tmp_path):
     cfg.lora = LoraConfig(rank=0, init_from=str(tmp_path / "adapter"))
     with pytest.raises(ConfigError, match=r"^lora.init_from=.* needs adapters: set lora.rank"):
         cfg.check_settings()
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "gemma3"])
+def test_every_family_equals_peft(family):
+    """Adapters on each family's layers (Qwen2's biased q/k/v, Qwen3's and Gemma's q/k norms,
+    Gemma's sandwich norms and gelu): logits and adapter gradients equal PEFT's."""
+    hf = make_hf(family)
+    model = Llama(model_config_from_hf(hf.config.to_dict()))
+    model.load_state_dict(hf.state_dict(), strict=False)  # a tied head is absent
+    model.tie_weights()
+    lcfg = lora_settings(rank=3)
+    apply_lora(model, lcfg)
+    init_adapters(model, 0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_B." in n:
+                p.normal_(0, 0.1)
+    twin = peft_twin(model, lcfg)
+    tokens, labels = TOKENS[:, :-1], TOKENS[:, 1:]
+    ours_loss = mean_loss(model(tokens), labels)
+    theirs_loss = mean_loss(twin(input_ids=tokens).logits, labels)
+    torch.testing.assert_close(ours_loss, theirs_loss, rtol=1e-5, atol=0)
+    ours_loss.backward()
+    theirs_loss.backward()
+    mine = dict(model.named_parameters())
+    for name, p in peft_adapters(twin).items():
+        torch.testing.assert_close(mine[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
