@@ -38,7 +38,7 @@ from hybrid2d.metrics.summary import run_summary, write_summary
 from hybrid2d.models.llama import Llama
 from hybrid2d.optim import build_optimizer, build_scheduler, clip_grad_norm, follow_settings
 from hybrid2d.parallel import parallelize
-from hybrid2d.parallel.lora import init_adapters
+from hybrid2d.parallel.lora import describe_lora, init_adapters
 from hybrid2d.parallel.loss import cross_entropy, loss_tokens
 from hybrid2d.planner.launch import check_planned_memory, describe_plan, planned, planner_profile
 from hybrid2d.preemption import Preemption
@@ -57,6 +57,8 @@ def build_model(cfg: JobConfig, mesh: Mesh, resuming: bool = False) -> Llama:
     with torch.device("meta"):
         model = Llama(mesh.layout.model)
     parallelize(model, mesh, cfg.parallel, cfg.lora)
+    if cfg.lora.rank:
+        print0(describe_lora(model, cfg.lora))
     model.to_empty(device=mesh.device)
     model.tie_weights()
     if cfg.lora.rank:

@@ -10,7 +10,12 @@ from hybrid2d.checkpoint.hf import model_config_from_hf  # noqa: E402
 from hybrid2d.config import JobConfig, LoraConfig  # noqa: E402
 from hybrid2d.errors import ConfigError  # noqa: E402
 from hybrid2d.models.llama import Llama  # noqa: E402
-from hybrid2d.parallel.lora import apply_lora, init_adapters, is_adapter  # noqa: E402
+from hybrid2d.parallel.lora import (  # noqa: E402
+    apply_lora,
+    describe_lora,
+    init_adapters,
+    is_adapter,
+)
 from tests.launch import check_ok, run_ranks  # noqa: E402
 from tests.lora_reference import (  # noqa: E402
     batches,
@@ -230,3 +235,23 @@ def test_every_family_equals_peft(family):
     mine = dict(model.named_parameters())
     for name, p in peft_adapters(twin).items():
         torch.testing.assert_close(mine[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_dropout_only_while_training_and_the_start_line():
+    lcfg = LoraConfig(rank=4, alpha=8.0, dropout=0.5, targets="v_proj,down_proj")
+    model = ours(odd_model(), lcfg, seed=2)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_B." in n:
+                p.normal_(0, 0.5)
+    plain = ours(odd_model(), LoraConfig(rank=4, alpha=8.0, targets="v_proj,down_proj"), seed=2)
+    plain.load_state_dict(model.state_dict())
+    tokens = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model.eval()(tokens), plain.eval()(tokens))
+        assert not torch.allclose(model.train()(tokens), plain(tokens))
+    line = describe_lora(model, lcfg)
+    # v_proj 30 -> 10 and down_proj 70 -> 30, rank 4, in 2 blocks
+    trained = 2 * 4 * ((30 + 10) + (70 + 30))
+    assert f"{trained:,} adapter parameters trained" in line, line
+    assert line.startswith("lora: rank 4, alpha 8, dropout 0.5 on v_proj,down_proj;"), line

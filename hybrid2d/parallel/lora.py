@@ -205,3 +205,15 @@ def adapter_shapes(model: ModelConfig, lcfg: LoraConfig) -> dict[str, tuple[int,
         llama = Llama(model)
     apply_lora(llama, lcfg)
     return {n: tuple(p.shape) for n, p in adapter_state(llama).items()}
+
+
+def describe_lora(model: nn.Module, lcfg: LoraConfig) -> str:
+    """The start line of a LoRA run: what is trained and what stays frozen."""
+    params = dict(model.named_parameters())  # numel: the global size, also of DTensors
+    trained = sum(p.numel() for n, p in params.items() if is_adapter(n))
+    total = sum(p.numel() for p in params.values())
+    return (
+        f"lora: rank {lcfg.rank}, alpha {lcfg.alpha:g}, dropout {lcfg.dropout:g} on "
+        f"{','.join(lcfg.target_names())}; {trained:,} adapter parameters trained "
+        f"({100 * trained / total:.2f}% of {total:,}), the base frozen in {lcfg.base_dtype}"
+    )
