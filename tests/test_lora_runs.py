@@ -15,7 +15,7 @@ pytest.importorskip("peft")
 import peft  # noqa: E402
 import transformers  # noqa: E402
 
-from hybrid2d.checkpoint import layout  # noqa: E402
+from hybrid2d.checkpoint import layout, standalone  # noqa: E402
 from hybrid2d.checkpoint.adapters import check_same_base  # noqa: E402
 from hybrid2d.checkpoint.hf import load_pretrained  # noqa: E402
 from hybrid2d.checkpoint.reader import (  # noqa: E402
@@ -87,6 +87,10 @@ def test_lora_checkpoint_resume_on_another_mesh_and_peft_export(tmp_path):
     assert other.returncode == 2, other.stderr[-2000:]
     errors = [ln for ln in other.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "--lora.base_dtype fp32" in errors[0], other.stderr[-2000:]
+
+    # The whole-model tools say what a LoRA checkpoint is instead of naming a missing tensor.
+    with pytest.raises(ConfigError, match=r"is a LoRA run's: .*tools/export_lora.py .*over hf:"):
+        standalone.model_config(standalone.locate(str(step)))
 
     # Export to PEFT's format; PEFT over transformers gives our model's logits.
     out = tmp_path / "adapter"
