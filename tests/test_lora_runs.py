@@ -95,7 +95,8 @@ def test_lora_checkpoint_resume_on_another_mesh_and_peft_export(tmp_path):
     # Export to PEFT's format; PEFT over transformers gives our model's logits.
     out = tmp_path / "adapter"
     proc = subprocess.run(
-        [sys.executable, "tools/export_lora.py", str(tmp_path / "split"), str(out)],
+        [sys.executable, "tools/export_lora.py", str(tmp_path / "split"), str(out),
+         "--merged", str(tmp_path / "merged")],
         cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -116,7 +117,9 @@ def test_lora_checkpoint_resume_on_another_mesh_and_peft_export(tmp_path):
     tokens = torch.randint(
         0, cfg.model.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0)
     )
+    assert "merged 8 adapted weights into" in proc.stdout
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
     with torch.no_grad():
-        torch.testing.assert_close(
-            ours(tokens), theirs(input_ids=tokens).logits, rtol=1e-5, atol=1e-5
-        )
+        expected = theirs(input_ids=tokens).logits
+        torch.testing.assert_close(ours(tokens), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(merged(input_ids=tokens).logits, expected, rtol=1e-5, atol=1e-5)

@@ -10,8 +10,8 @@ started from as base_model_name_or_path), so that
 
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), OUT)
 
-gives the trained model. A merged full model: tools/export_checkpoint.py exports the base,
-PeftModel.merge_and_unload() merges.
+gives the trained model. `--merged DIR` also writes the base HF directory with the adapters
+merged into its weights (W + alpha / rank B A): a plain model for transformers, no PEFT needed.
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("checkpoint", help="DCP step directory, or a run / checkpoints directory")
     p.add_argument("out", help="directory to write (created if missing)")
     p.add_argument("--dtype", default="fp32", help="fp32 (default) or bf16")
+    p.add_argument("--merged", default="", help="also write the merged full HF model here")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
 
     from hybrid2d.checkpoint import standalone
-    from hybrid2d.checkpoint.adapters import export_peft
+    from hybrid2d.checkpoint.adapters import export_merged, export_peft
     from hybrid2d.checkpoint.hf_convert import parse_dtype, run_tool
     from hybrid2d.checkpoint.reader import read_metadata
     from hybrid2d.errors import ConfigError
@@ -43,11 +44,16 @@ def main(argv: list[str] | None = None) -> int:
                 f"{args.checkpoint} is a safetensors directory; pass a LoRA run's DCP checkpoint"
             )
         standalone.verify(src.path)
-        cfg, n = export_peft(src.path, read_metadata(src.path), Path(args.out), dtype)
-        return (
+        meta = read_metadata(src.path)
+        cfg, n = export_peft(src.path, meta, Path(args.out), dtype)
+        lines = [
             f"exported {n} adapter tensors (rank {cfg.lora.rank}, alpha {cfg.lora.alpha:g}) of "
             f"{src.path} -> {args.out} (PEFT: adapter_model.safetensors, adapter_config.json)"
-        )
+        ]
+        if args.merged:
+            merged = export_merged(src.path, meta, Path(args.merged))
+            lines.append(f"merged {merged} adapted weights into {args.merged} (a HF model)")
+        return "\n".join(lines)
 
     return run_tool(work)
 

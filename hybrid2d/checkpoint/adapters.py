@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from hybrid2d.checkpoint.hf import parse_init_from
+from hybrid2d.checkpoint.hf_safetensors import HFCheckpoint
 from hybrid2d.checkpoint.reader import (
     check_model_shapes,
     expected_model_shapes,
@@ -169,3 +171,36 @@ def load_peft(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Copy `read_peft`'s tensors into the model's adapters (each rank its own shard)."""
     for name, param in adapter_state(model).items():
         copy_full_into(param, tensors[name])
+
+
+def export_merged(step_dir: Path, meta, out: Path) -> int:
+    """Write `out` as the base HF directory (`checkpoint.init_from hf:`) with every targeted
+    weight replaced by W + (alpha / rank) B A, in the base file's dtype: a plain HF model. Holds
+    the whole model in this process (an export tool's job, not a training rank's); returns the
+    number of merged weights."""
+    cfg = read_config(step_dir)
+    kind, base = parse_init_from(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else ("", "")
+    if kind != "hf":
+        raise ConfigError(
+            f"--merged needs the run's base as a HF directory (checkpoint.init_from hf:PATH); "
+            f"this run's is {cfg.checkpoint.init_from or 'the seeded init'!r}"
+        )
+    adapters = dict(iter_model_tensors(step_dir, meta, list(run_model_shapes(cfg))))
+    scale = cfg.lora.alpha / cfg.lora.rank
+    tensors, merged = {}, 0
+    with HFCheckpoint(base) as ckpt:
+        for name in ckpt.tensors:
+            w = ckpt.read(name)
+            stem = name.removesuffix(".weight")
+            if f"{stem}.lora_A.weight" in adapters:
+                a, b = adapters[f"{stem}.lora_A.weight"], adapters[f"{stem}.lora_B.weight"]
+                w = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
+                merged += 1
+            tensors[name] = w.contiguous()
+    out.mkdir(parents=True, exist_ok=True)
+    for entry in os.listdir(base):  # config.json, generation config, tokenizer files
+        src = os.path.join(base, entry)
+        if os.path.isfile(src) and not entry.endswith(".safetensors") and "index" not in entry:
+            shutil.copyfile(src, out / entry)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return merged
