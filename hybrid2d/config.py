@@ -320,6 +320,52 @@ class ProfileConfig:
     snapshot: bool = False
 
 
+# The linear layers of a block an adapter may target (HF's names); `all-linear` means all of
+# them (as PEFT's "all-linear": every linear layer but the output head).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters (LoRA) on a frozen base; rank 0 trains every weight instead."""
+
+    # Rank of the adapters; 0: full fine-tuning (no adapters, every weight trained).
+    rank: Annotated[int, Range(0, note="0: full fine-tuning")] = 0
+    # The adapter's output is scaled by alpha / rank (PEFT's lora_alpha).
+    alpha: Annotated[float, _POSITIVE] = 16.0
+    # Dropout on the adapter's input (PEFT's lora_dropout); 0: none.
+    dropout: Annotated[float, Range(0, 1, hi_open=True)] = 0.0
+    # Comma-separated linear layers of each block to adapt (q_proj, k_proj, v_proj, o_proj,
+    # gate_proj, up_proj, down_proj), or all-linear for all of them.
+    targets: str = "all-linear"
+    # dtype of the frozen base weights (the adapters are always fp32): bf16 halves their
+    # memory; fp32 keeps the base exact.
+    base_dtype: Literal["fp32", "bf16"] = "fp32"
+    # A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to start the
+    # adapters from, on the base checkpoint.init_from names; "": PEFT's initial values.
+    init_from: str = ""
+
+    def target_names(self) -> tuple[str, ...]:
+        """The targeted layer names, checked: one line naming a target that matches none."""
+        if self.targets.strip() == "all-linear":
+            return LORA_TARGETS
+        names = tuple(t.strip() for t in self.targets.split(",") if t.strip())
+        for name in names:
+            if name not in LORA_TARGETS:
+                close = difflib.get_close_matches(name, LORA_TARGETS, n=1, cutoff=0.5)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ConfigError(
+                    f"lora.targets={self.targets!r}: {name!r} matches no layer of a block{hint}; "
+                    f"use all-linear or names from {', '.join(LORA_TARGETS)}"
+                )
+        if not names:
+            raise ConfigError(
+                f"lora.targets={self.targets!r} names no layer; use all-linear or names from "
+                f"{', '.join(LORA_TARGETS)}"
+            )
+        return tuple(dict.fromkeys(names))
+
+
 @dataclass
 class JobConfig:
     """hybrid2d trainer settings; the defaults shown are those of the chosen --recipe."""
@@ -332,6 +378,7 @@ class JobConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -390,6 +437,13 @@ class JobConfig:
             raise ConfigError(
                 f"model.layer_types={m.layer_types!r} must be one letter per layer "
                 f"(model.n_layers={m.n_layers}), F (full attention) or S (sliding window)"
+            )
+        if self.lora.rank:
+            self.lora.target_names()
+        elif self.lora.init_from:
+            raise ConfigError(
+                f"lora.init_from={self.lora.init_from!r} needs adapters: set lora.rank to the "
+                "adapter's rank (its adapter_config.json's r)"
             )
         if "S" in m.layer_types and not m.sliding_window:
             raise ConfigError(

@@ -13,11 +13,13 @@ from hybrid2d.config import TrainConfig
 
 
 def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW (weight decay on matrices only, not on norms) or plain SGD."""
+    """AdamW (weight decay on matrices only, not on norms) or plain SGD, over the trainable
+    parameters only: a frozen base (LoRA) has no optimizer state."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
     if t.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=t.lr)
-    matrices = [p for p in model.parameters() if p.ndim >= 2]
-    rest = [p for p in model.parameters() if p.ndim < 2]
+        return torch.optim.SGD(trainable, lr=t.lr)
+    matrices = [p for p in trainable if p.ndim >= 2]
+    rest = [p for p in trainable if p.ndim < 2]
     groups = [
         {"params": params, "weight_decay": decay}
         for params, decay in zip((matrices, rest), _weight_decays(t), strict=True)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hybrid2d.checkpoint.adapters import load_peft, read_peft
 from hybrid2d.checkpoint.dcp import Checkpointer, find_resume
 from hybrid2d.checkpoint.hf import describe_load, load_pretrained
 from hybrid2d.checkpoint.reader import MODEL, OPTIMIZER, TRAINER
@@ -38,6 +39,7 @@ from hybrid2d.metrics.summary import run_summary, write_summary
 from hybrid2d.models.llama import Llama
 from hybrid2d.optim import build_optimizer, build_scheduler, clip_grad_norm, follow_settings
 from hybrid2d.parallel import parallelize
+from hybrid2d.parallel.lora import describe_lora, init_adapters
 from hybrid2d.parallel.loss import cross_entropy, loss_tokens
 from hybrid2d.planner.launch import check_planned_memory, describe_plan, planned, planner_profile
 from hybrid2d.preemption import Preemption
@@ -50,12 +52,23 @@ def build_model(cfg: JobConfig, mesh: Mesh, resuming: bool = False) -> Llama:
     """Meta-device model -> TP -> AC -> compile -> FSDP -> materialise this rank's shards.
     Resuming, the parameters are left for the checkpoint to fill: neither init_from (on a large
     model, minutes of reading on every restart) nor a random init is done first."""
+    peft = None  # checked before anything is built
+    if cfg.lora.rank and cfg.lora.init_from and not resuming:
+        peft = read_peft(cfg.lora.init_from, cfg.lora, mesh.layout.model)
     with torch.device("meta"):
         model = Llama(mesh.layout.model)
-    parallelize(model, mesh, cfg.parallel)
+    parallelize(model, mesh, cfg.parallel, cfg.lora)
+    if cfg.lora.rank:
+        print0(describe_lora(model, cfg.lora))
     model.to_empty(device=mesh.device)
     model.tie_weights()
-    if resuming:
+    if cfg.lora.rank:
+        # A LoRA checkpoint holds the adapters only: the frozen base is read again on resume.
+        _load_base(model, cfg)
+        init_adapters(model, cfg.train.seed)
+        if peft is not None:
+            load_peft(model, peft)
+    elif resuming:
         model.init_buffers()
         if cfg.checkpoint.init_from:
             print0(f"init_from {cfg.checkpoint.init_from}: not read, the resumed checkpoint has it")
@@ -65,6 +78,14 @@ def build_model(cfg: JobConfig, mesh: Mesh, resuming: bool = False) -> Llama:
     else:
         model.init_weights(cfg.train.seed)
     return model
+
+
+def _load_base(model: Llama, cfg: JobConfig) -> None:
+    """The frozen base of a LoRA run: init_from, or the seeded init without one."""
+    if cfg.checkpoint.init_from:
+        print0(describe_load(load_pretrained(model, cfg.checkpoint.init_from)))
+    else:
+        model.init_weights(cfg.train.seed)
 
 
 @dataclass
@@ -99,7 +120,7 @@ class Trainer:
         """What a checkpoint holds of this trainer, by place, in the order a load needs: the
         optimizer's state before this trainer's own (load_state_dict sets its lr again)."""
         return {
-            MODEL: ModelState(self.model),
+            MODEL: ModelState(self.model, trainable_only=bool(self.cfg.lora.rank)),
             OPTIMIZER: OptimizerState(self.model, self.optimizer),
             TRAINER: self,
         }

@@ -118,7 +118,7 @@ def test_efficiency_counts_gpus_on_cuda_and_the_shared_host_on_cpu():
         (["--warmup", "8"], "--warmup 8 must be at least 0 and below --steps 8"),
         (["--lever", "train.micro_batch"], "'train.micro_batch' (--set / --lever) is not"),
         (["--lever", "train.micro_batch=3"], "train.micro_batch=3 does not divide"),
-        (["--heads", "12", "--kv-heads", "4"], "model.dim=256 is not divisible by model.n_heads=12"),
+        (["--heads", "12", "--kv-heads", "4"], "dim=256 is not divisible by model.n_heads=12"),
         (["--peak-tflops", "-1"], "--peak-tflops -1.0 must be > 0"),
     ],
 )

@@ -50,13 +50,13 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.stateful import Stateful
 
 from hybrid2d.checkpoint import integrity, layout
+from hybrid2d.checkpoint.adapters import check_same_base, run_model_shapes
 from hybrid2d.checkpoint.hf_tokens import source_files
 from hybrid2d.checkpoint.reader import (
     TRAINER,
     as_config_error,
     cause,
     check_model_shapes,
-    expected_model_shapes,
     first_line,
     read_config,
     read_metadata,
@@ -143,7 +143,8 @@ def preflight(path: Path, cfg: JobConfig) -> Metadata:
             f"--checkpoint.resume: {path} holds no training state (a model-only checkpoint, e.g. "
             "converted from Hugging Face); start from it with --checkpoint.init_from dcp:PATH"
         )
-    check_model_shapes(path, meta, expected_model_shapes(cfg.model), cfg.model)
+    check_model_shapes(path, meta, run_model_shapes(cfg), cfg.model)
+    check_same_base(path, cfg)  # LoRA: the adapters' base, which the checkpoint does not hold
     step = layout.step_of(path)
     if step is not None and step >= cfg.train.steps:
         raise ConfigError(_finished(path, step, cfg.train.steps))

@@ -44,6 +44,7 @@ from hybrid2d.checkpoint.reader import (
 from hybrid2d.checkpoint.safe_metadata import MetadataReader
 from hybrid2d.config import JobConfig, ModelConfig
 from hybrid2d.errors import ConfigError
+from hybrid2d.parallel.lora import is_adapter
 from hybrid2d.paths import init_from_dir, split_init_from
 
 # HF class -> (our family, its config.json model_type). Gemma3ForConditionalGeneration (the
@@ -544,12 +545,17 @@ def check_hf_source(ckpt: HFCheckpoint, cfg: ModelConfig, source: str) -> None:
     check_tensor_names(shapes, cfg, f"checkpoint.init_from={source}")
 
 
+def base_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The model's parameters a base checkpoint holds: all but LoRA adapters."""
+    return [(n, p) for n, p in model.named_parameters() if not is_adapter(n)]
+
+
 @torch.no_grad()
 def _fill_blocks(model: nn.Module, source: str, start: float, checkpoint_bytes: int, read_into):
     """Fill every parameter's local block with read_into(name, offsets, sizes, out), which
     returns the bytes it read from disk, then recompute the buffers."""
     report = LoadReport(source, checkpoint_bytes=checkpoint_bytes)
-    for name, param in model.named_parameters():  # tied: only model.embed_tokens.weight
+    for name, param in base_parameters(model):  # tied: only model.embed_tokens.weight
         offsets, sizes = local_block(param)
         local = param.to_local() if isinstance(param, DTensor) else param
         report.bytes_read += read_into(name, offsets, sizes, local)
@@ -572,7 +578,7 @@ def load_hf(model: nn.Module, path: str, source: str | None = None) -> LoadRepor
 
     with HFCheckpoint(path) as ckpt:
         check_hf_source(ckpt, model.cfg, source)
-        total = sum(ckpt.tensors[name].nbytes for name, _ in model.named_parameters())
+        total = sum(ckpt.tensors[name].nbytes for name, _ in base_parameters(model))
         return _fill_blocks(model, source, start, total, read_into)
 
 
@@ -616,7 +622,7 @@ def load_dcp(model: nn.Module, path: str, source: str | None = None) -> LoadRepo
     source = source or f"dcp:{path}"
     start = time.perf_counter()
     md, entries = check_dcp_source(path, model.cfg, source)
-    params = dict(model.named_parameters())  # tied: only model.embed_tokens.weight
+    params = dict(base_parameters(model))  # tied: only model.embed_tokens.weight
     total = sum(math.prod(entries[n].size) * entries[n].properties.dtype.itemsize for n in params)
     if any(info.transform_descriptors for info in md.storage_data.values()):
         with warnings.catch_warnings():

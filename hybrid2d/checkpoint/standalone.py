@@ -61,6 +61,12 @@ def model_config(src: Source) -> ModelConfig:
             raise ConfigError(
                 f"checkpoint {src.path} has no {layout.CONFIG}; cannot tell the model's shape"
             )
+        if saved.lora.rank:
+            base = saved.checkpoint.init_from or f"the seeded init of train.seed={saved.train.seed}"
+            raise ConfigError(
+                f"checkpoint {src.path} is a LoRA run's: it holds the adapters, not the model; "
+                f"write them for PEFT with tools/export_lora.py and load them over {base}"
+            )
         return saved.model
     own = src.path / HYBRID2D_CONFIG
     if own.is_file():

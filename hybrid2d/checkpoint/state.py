@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -19,16 +20,28 @@ from torch.distributed.checkpoint.state_dict import (
 
 
 class ModelState:
-    """A (parallelized) model's parameters and buffers, by HF name."""
+    """A (parallelized) model's parameters and buffers, by HF name. `trainable_only` (LoRA):
+    the adapters alone; the frozen base is read from its source again, never saved twice."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, trainable_only: bool = False):
         self.model = model
+        # strict=False with trainable_only: the base is absent from the state by design.
+        self.options = StateDictOptions(
+            ignore_frozen_params=trainable_only, strict=not trainable_only
+        )
 
     def state_dict(self) -> dict:
-        return get_model_state_dict(self.model)
+        state = get_model_state_dict(self.model, options=self.options)
+        if self.options.ignore_frozen_params:
+            # A tied head is not among named_parameters() (deduplicated), so DCP keeps its
+            # frozen weight under lm_head.weight: only the trainable names stay.
+            names = self.model.named_parameters(remove_duplicate=False)
+            trainable = {n for n, p in names if p.requires_grad}
+            state = {k: v for k, v in state.items() if k in trainable}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        set_model_state_dict(self.model, state)
+        set_model_state_dict(self.model, state, options=self.options)
 
 
 class OptimizerState:
