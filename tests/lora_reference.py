@@ -108,13 +108,3 @@ def lora_job(
     cfg.metrics.tensorboard = False
     cfg.metrics.progress_bar = False
     return cfg
-
-
-def batches(cfg: JobConfig, seed: int = 11):
-    gen = torch.Generator().manual_seed(seed)
-    t = cfg.train
-    for _ in range(t.steps):
-        tokens = torch.randint(
-            0, cfg.model.vocab_size, (t.global_batch, t.seq_len + 1), generator=gen
-        )
-        yield tokens[:, :-1], tokens[:, 1:]

@@ -18,7 +18,6 @@ from hybrid2d.parallel.lora import (  # noqa: E402
 )
 from tests.launch import check_ok, run_ranks  # noqa: E402
 from tests.lora_reference import (  # noqa: E402
-    batches,
     lora_job,
     lora_settings,
     mean_loss,
@@ -29,6 +28,7 @@ from tests.lora_reference import (  # noqa: E402
     tp4_model,
     train_peft,
 )
+from tests.reference import global_batches  # noqa: E402
 from tests.test_families import TOKENS, make_hf  # noqa: E402
 
 
@@ -58,7 +58,7 @@ def test_single_process_equals_peft(targets):
     twin = peft_twin(model, lcfg)
     base = {n: p.detach().clone() for n, p in model.named_parameters() if not is_adapter(n)}
     job = lora_job(odd_model(), lcfg)
-    data = list(batches(job))
+    data = list(global_batches(job))
     tokens = data[0][0]
     torch.testing.assert_close(model(tokens), twin(input_ids=tokens).logits, rtol=1e-5, atol=1e-6)
 
@@ -85,7 +85,7 @@ def test_bf16_base_with_fp32_adapters_equals_peft():
     assert {p.dtype for n, p in model.named_parameters() if not is_adapter(n)} == {torch.bfloat16}
     twin = peft_twin(model, lcfg)
     job = lora_job(odd_model(), lcfg, steps=3)
-    data = list(batches(job))
+    data = list(global_batches(job))
     losses, _ = train_ours(model, data, job.train.lr)
     ref = train_peft(twin, data, job.train.lr)
     # The first forward is the same arithmetic; after it the bf16 backward of the two
@@ -129,7 +129,7 @@ def peft_reference(base_dtype: str) -> tuple[dict, dict]:
     job = lora_job(tp4_model(), lcfg)
     model = ours(tp4_model(), lcfg, seed=job.train.seed)
     base = {n: p.detach().clone() for n, p in model.named_parameters() if not is_adapter(n)}
-    return train_peft(peft_twin(model, lcfg), list(batches(job)), job.train.lr), base
+    return train_peft(peft_twin(model, lcfg), list(global_batches(job)), job.train.lr), base
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ documents) is the floor.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -37,10 +38,10 @@ import warnings
 import numpy as np
 import torch
 import torch.nn.functional as F
-from bench import torchrun_command  # this script's folder
+from bench import bench_model, torchrun_command  # this script's folder
 
 from hybrid2d.cli import OneLineParser
-from hybrid2d.config import JobConfig, ModelConfig
+from hybrid2d.config import JobConfig
 from hybrid2d.data.instruct import InstructionDataset, InstructStats
 from hybrid2d.models.attention import dense_mask
 
@@ -78,14 +79,8 @@ def longtail_samples(n: int, seq_len: int, median: float, vocab: int, seed: int 
 
 def job(args) -> JobConfig:
     cfg = JobConfig(recipe="bench-packing")
-    cfg.model = ModelConfig(
-        dim=args.dim,
-        n_layers=args.layers,
-        n_heads=args.heads,
-        n_kv_heads=args.kv_heads,
-        ffn_dim=args.ffn,
-        vocab_size=args.vocab,
-        max_position_embeddings=max(2048, args.seq_len),
+    cfg.model = dataclasses.replace(
+        bench_model(args), max_position_embeddings=max(2048, args.seq_len)
     )
     t = cfg.train
     t.seq_len, t.global_batch, t.micro_batch, t.steps = args.seq_len, args.global_batch, 0, 10**6

@@ -17,7 +17,8 @@ from hybrid2d.layout import RunLayout
 from hybrid2d.mesh import build_mesh, init_distributed, shutdown_distributed
 from hybrid2d.parallel.lora import is_adapter
 from hybrid2d.trainer import Trainer
-from tests.lora_reference import batches, lora_job, lora_settings, tp4_model
+from tests.lora_reference import lora_job, lora_settings, tp4_model
+from tests.reference import global_batches
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -47,7 +48,7 @@ def train_on(dp: int, tp: int, base_dtype: str) -> dict:
     hook = trainer.optimizer.register_step_pre_hook(keep_grads)
     trainable = sum(p.numel() for g in trainer.optimizer.param_groups for p in g["params"])
     losses = []
-    for inputs, labels in batches(cfg):
+    for inputs, labels in global_batches(cfg):
         losses.append(
             trainer.train_step([(inputs[lo : lo + per_rank], labels[lo : lo + per_rank])]).loss
         )
