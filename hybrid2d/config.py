@@ -164,6 +164,12 @@ class ModelConfig:
         return self.n_layers * block + emb + head + self.dim
 
 
+def interleaved_layer_types(n_layers: int, every: int) -> str:
+    """`ModelConfig.layer_types` with every `every`-th layer full attention and the others
+    sliding (Gemma 3's `sliding_window_pattern`: 5 sliding layers to 1 global for 6)."""
+    return "".join("S" if (i + 1) % every else "F" for i in range(n_layers))
+
+
 @dataclass
 class ParallelConfig:
     """Mesh sizes. -1 for dp_shard means: whatever the world size leaves after the others."""

@@ -12,7 +12,7 @@ import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hybrid2d.config import JobConfig, ModelConfig
+from hybrid2d.config import JobConfig, ModelConfig, interleaved_layer_types
 from hybrid2d.errors import ConfigError
 
 
@@ -229,7 +229,7 @@ def _gemma3(dim, layers, heads, kv_heads, head_dim, ffn, vocab, window, scalar, 
         scale_embeddings=True,
         attn_scale_base=float(scalar),
         sliding_window=window,
-        layer_types="".join("F" if (i + 1) % 6 == 0 else "S" for i in range(layers)),
+        layer_types=interleaved_layer_types(layers, 6),
         rope_theta=1000000.0,
         rope_local_theta=10000.0,
         tie_embeddings=True,

@@ -37,7 +37,7 @@ import torch
 from bench_worker import bench_job  # this script's folder
 
 from hybrid2d.cli import OneLineParser
-from hybrid2d.config import ModelConfig
+from hybrid2d.config import ModelConfig, interleaved_layer_types
 from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
 from hybrid2d.metrics import flops_per_token
@@ -66,7 +66,7 @@ def family_shape(family: str, base: ModelConfig, seq_len: int) -> dict:
         return dict(family=family, qkv_bias=True, norm_eps=1e-6, rope_theta=1e6)
     if family == "qwen3":
         return dict(family=family, attn_head_dim=wide, qk_norm=True, norm_eps=1e-6, rope_theta=1e6)
-    layers = "".join("F" if (i + 1) % 6 == 0 else "S" for i in range(base.n_layers))
+    layers = interleaved_layer_types(base.n_layers, 6)
     layers = layers if "F" in layers else layers[:-1] + "F"  # fewer than 6: the last is global
     return dict(  # gemma3
         family=family,

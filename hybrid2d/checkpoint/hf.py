@@ -42,7 +42,7 @@ from hybrid2d.checkpoint.reader import (
     saved_tensor,
 )
 from hybrid2d.checkpoint.safe_metadata import MetadataReader
-from hybrid2d.config import JobConfig, ModelConfig
+from hybrid2d.config import JobConfig, ModelConfig, interleaved_layer_types
 from hybrid2d.errors import ConfigError
 from hybrid2d.parallel.lora import is_adapter
 from hybrid2d.paths import init_from_dir, split_init_from
@@ -215,8 +215,8 @@ def _windows(hf: dict, where: str, family: str, n_layers: int) -> tuple[int, str
         if family == "gemma3":
             pattern = int(hf.get("sliding_window_pattern", 6))
             names = [
-                "sliding_attention" if (i + 1) % pattern else "full_attention"
-                for i in range(n_layers)
+                "sliding_attention" if kind == "S" else "full_attention"
+                for kind in interleaved_layer_types(n_layers, pattern)
             ]
         else:
             first = int(hf.get("max_window_layers", 28))
