@@ -307,7 +307,7 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
     print0(data.describe())
     trainer = Trainer(cfg, mesh, resuming=resume_from is not None)
     states = trainer.checkpoint_states() | {f"{TRAINER}.data": data.loader}
-    side_files = tokenizer_side_files(layout.tokenizer)
+    side_files = tokenizer_side_files(data.tokenizer_dir)  # the chat template, ...
     ckpt = Checkpointer(ran, run_dir, states, data.tokenizer, side_files)
     if resume_from is not None:
         ckpt.load(resume_from)

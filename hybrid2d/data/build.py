@@ -29,7 +29,7 @@ from tokenizers import Tokenizer
 from hybrid2d.config import JobConfig
 from hybrid2d.data.batch import Batch
 from hybrid2d.data.cache import atomic_path, cache_key, must_build, read_cached, save_npy
-from hybrid2d.data.chat import load_chat_template
+from hybrid2d.data.chat import SCRATCH_TEMPLATE, ChatTemplate, load_chat_template
 from hybrid2d.data.corpus import corpus_identity, source_files
 from hybrid2d.data.instruct import (
     IGNORE_INDEX,
@@ -37,11 +37,17 @@ from hybrid2d.data.instruct import (
     InstructStats,
     build_instruction_arrays,
     is_instruction_file,
+    sample_texts,
 )
 from hybrid2d.data.loader import GlobalBatchLoader, PackingCounts
 from hybrid2d.data.packing import PackedDataset
 from hybrid2d.data.rows import first_fit_decreasing
-from hybrid2d.data.tokenizer import eos_id, load_or_train_tokenizer, tokenizer_hash
+from hybrid2d.data.tokenizer import (
+    eos_id,
+    load_or_train_tokenizer,
+    tokenizer_hash,
+    trained_tokenizer_dir,
+)
 from hybrid2d.data.tokens import tokenize_corpus
 from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
@@ -146,6 +152,9 @@ class RunData:
     stats: dict  # what the data summary says (instruction data: samples, truncated, ...)
     layout: str = "windows"  # "windows" (text) | "packed" | "padded" (instruction data)
     preview: dict | None = None  # packed: the figures of the first PREVIEW_STEPS steps' rows
+    # The directory of the tokenizer's files (chat template, tokenizer_config.json), which
+    # checkpoints keep: data.tokenizer's, or that of the BPE trained for instruction data.
+    tokenizer_dir: str = ""
 
     def describe(self) -> str:
         parts = [f"data: {self.kind}, {len(self.loader.dataset)} training samples"]
@@ -230,11 +239,14 @@ def _instruct_cache(
     return InstructionDataset(*arrays[:3], meta["seq_len"], meta["pad_id"], stats, *arrays[3:])
 
 
-def _dataset(cfg: JobConfig, d, tok: Tokenizer, cache_dir, setting: str, build: bool):
-    """(dataset, kind) for the data config d (data.path's, or val_path's in its place)."""
+def _dataset(
+    cfg: JobConfig, d, tok: Tokenizer, tok_dir: str, cache_dir, setting: str, build: bool
+):  # fmt: skip
+    """(dataset, kind) for the data config d (data.path's, or val_path's in its place), with
+    the chat template stored in tok_dir."""
     kind = data_kind(cfg, source_files(d, setting), setting)
     if kind == "instruct":
-        template = load_chat_template(d.tokenizer)
+        template = load_chat_template(tok_dir)
         return _instruct_cache(cfg, d, tok, template, cache_dir, setting, build), kind
     tokens = tokenize_corpus(d, tok, cache_dir, build=build, setting=setting)
     eos = eos_id(tok) if cfg.data.document_mask == "on" else None
@@ -301,20 +313,27 @@ def build_run_data(
     kind = check_kinds(cfg, d, val_cfg)
     if d.tokenizer:
         load_or_train_tokenizer(d, vocab_size, cache_dir, build=False)
+    tok_dir, samples = d.tokenizer, None
+    if kind == "instruct" and not d.tokenizer:
+        # A tokenizer of the samples as the model reads them, with the chat template's turn
+        # markers as tokens (tokenizer.py); its directory holds the template too.
+        tok_dir = str(trained_tokenizer_dir(d, vocab_size, cache_dir, instruct=True))
+        template = ChatTemplate(SCRATCH_TEMPLATE, where="the ChatML template of a trained BPE")
+        samples = sample_texts(source_files(d), template)  # read only if the BPE is trained
     if is_main:
-        tok = load_or_train_tokenizer(d, vocab_size, cache_dir)
-        _dataset(cfg, d, tok, cache_dir, "data.path", build=True)
+        tok = load_or_train_tokenizer(d, vocab_size, cache_dir, samples=samples)
+        _dataset(cfg, d, tok, tok_dir, cache_dir, "data.path", build=True)
         if val_cfg is not None:
-            _dataset(cfg, val_cfg, tok, cache_dir, "data.val_path", build=True)
+            _dataset(cfg, val_cfg, tok, tok_dir, cache_dir, "data.val_path", build=True)
     barrier()
-    tok = load_or_train_tokenizer(d, vocab_size, cache_dir, build=False)
-    dataset, kind = _dataset(cfg, d, tok, cache_dir, "data.path", build=False)
+    tok = load_or_train_tokenizer(d, vocab_size, cache_dir, build=False, samples=samples)
+    dataset, kind = _dataset(cfg, d, tok, tok_dir, cache_dir, "data.path", build=False)
     packed = kind == "instruct" and d.packing == "packed"
     train_stats = dataset.stats if kind == "instruct" else None
     val_stats = None
     val_ds = None
     if val_cfg is not None:
-        val_ds, _ = _dataset(cfg, val_cfg, tok, cache_dir, "data.val_path", build=False)
+        val_ds, _ = _dataset(cfg, val_cfg, tok, tok_dir, cache_dir, "data.val_path", build=False)
         source = repr(d.val_path)
         if isinstance(val_ds, InstructionDataset):
             val_stats = val_ds.stats
@@ -359,7 +378,7 @@ def build_run_data(
     if kind == "text":
         stats["document_mask"] = d.document_mask
     layout_name = "windows" if kind == "text" else d.packing
-    return RunData(loader, tok, val, kind, stats, layout_name, preview)
+    return RunData(loader, tok, val, kind, stats, layout_name, preview, tok_dir)
 
 
 def build_data(

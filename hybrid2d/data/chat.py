@@ -150,6 +150,31 @@ def load_chat_template(setting: str) -> ChatTemplate | None:
     return None
 
 
+# The chat format of a tokenizer trained here (no data.tokenizer) on instruction data: ChatML,
+# whose turn markers become special tokens of the BPE. It needs no BOS, system prompt or
+# per-model text, so any conversation renders, and transformers, vLLM and llama.cpp know it.
+TURN_START, TURN_END = "<|im_start|>", "<|im_end|>"
+SCRATCH_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def scratch_chat_files(end_of_text: str) -> dict[str, str]:
+    """name -> text of the files beside a tokenizer trained here for instruction data: the
+    template, and a tokenizer_config.json naming the end of a turn as eos_token (where
+    generation stops, as for Qwen's ChatML models) and `end_of_text` as the padding."""
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": TURN_END,
+        "pad_token": end_of_text,
+    }
+    return {TEMPLATE_FILE: SCRATCH_TEMPLATE, TOKENIZER_CONFIG: json.dumps(config, indent=2) + "\n"}
+
+
 # Files next to tokenizer.json that carry the chat template and the special tokens' roles;
 # checkpoints keep them so generate --chat and exports work from a fine-tuned run.
 SIDE_FILES = (TOKENIZER_CONFIG, TEMPLATE_FILE, "special_tokens_map.json", "chat_template.json")

@@ -215,15 +215,19 @@ def _instruction_among_text(
             f"(data.format={chosen}): put text and instruction lines in separate files and "
             f"point {setting} at one kind"
         )
+    read = f"data.format={cfg.format} reads it as text"
     if cfg.format == "text":
         fix = "use data.format auto or instruct"
+    elif cfg.format == "instruct":  # a caller read instruction data as a text corpus
+        read = "it was read as a text corpus although data.format=instruct"
+        fix = "instruction data is read by hybrid2d.data.instruct (build_run_data), not as text"
     else:  # auto, where a file that is not .jsonl, or a first file of text, made it text
         fix = (
             f"data.format=auto reads {setting} as instruction data only when all its files are "
             f".jsonl and the first is instruction data; point {setting} at one kind"
         )
     return ConfigError(
-        f"{setting}={cfg.path!r}: {what} but data.format={cfg.format} reads it as text "
+        f"{setting}={cfg.path!r}: {what} but {read} "
         f"(field data.text_field={cfg.text_field!r}); {fix}"
     )
 

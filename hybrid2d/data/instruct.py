@@ -243,30 +243,83 @@ def encode_record(
     if not isinstance(record, dict):
         raise _bad(where, "expected a JSON object with prompt/completion or messages")
     if "messages" in record:
-        if template is None:
-            raise _bad(
-                where,
-                "has messages but data.tokenizer has no chat template (chat_template.jinja or "
-                "tokenizer_config.json chat_template); use a tokenizer directory that has one",
-            )
-        messages = _check_messages(record["messages"], where)
-        text, spans = chat_sample(template, messages, where)
+        text, spans = chat_sample(template, _messages(record, template, where), where)
         enc = tok.encode(text, add_special_tokens=False)
         ids = enc.ids
         mask = [any(lo <= s < hi for lo, hi in spans) for s, _ in enc.offsets]
         return ids, mask
-    if "prompt" in record or "completion" in record:
-        prompt, completion = record.get("prompt"), record.get("completion")
-        if not isinstance(prompt, str) or not isinstance(completion, str):
-            raise _bad(where, "prompt and completion must both be strings")
-        if not completion:
-            raise _bad(where, "has no loss tokens (an empty completion)")
-        with special_tokens_as_text(tok):
-            p = tok.encode(prompt, add_special_tokens=False).ids if prompt else []
-            c = _continuation(tok, prompt, p, completion)
-        p = [*bos, *p]
-        return p + c + [eos], [False] * len(p) + [True] * (len(c) + 1)
-    raise _bad(where, f"has neither prompt/completion nor messages (keys: {sorted(record)})")
+    prompt, completion = _prompt_completion(record, where)
+    with special_tokens_as_text(tok):
+        p = tok.encode(prompt, add_special_tokens=False).ids if prompt else []
+        c = _continuation(tok, prompt, p, completion)
+    p = [*bos, *p]
+    return p + c + [eos], [False] * len(p) + [True] * (len(c) + 1)
+
+
+def _messages(record: dict, template: ChatTemplate | None, where: str) -> list[dict]:
+    """A messages record's checked messages; an error if there is no template to render them."""
+    if template is None:
+        raise _bad(
+            where,
+            "has messages but data.tokenizer has no chat template (chat_template.jinja or "
+            "tokenizer_config.json chat_template); use a tokenizer directory that has one",
+        )
+    return _check_messages(record["messages"], where)
+
+
+def _prompt_completion(record: dict, where: str) -> tuple[str, str]:
+    """A prompt/completion record's two strings, checked."""
+    if "prompt" not in record and "completion" not in record:
+        raise _bad(where, f"has neither prompt/completion nor messages (keys: {sorted(record)})")
+    prompt, completion = record.get("prompt"), record.get("completion")
+    if not isinstance(prompt, str) or not isinstance(completion, str):
+        raise _bad(where, "prompt and completion must both be strings")
+    if not completion:
+        raise _bad(where, "has no loss tokens (an empty completion)")
+    return prompt, completion
+
+
+def sample_texts(
+    files: list[pathlib.Path], template: ChatTemplate | None, setting: str = "data.path"
+):
+    """The text of every sample as the model reads it (prompt + completion, or the rendered
+    conversation), without BOS and EOS: what a tokenizer trained for the data learns from.
+    Bad lines are the errors build_instruction_arrays gives."""
+    for where, record in _records(files, setting):
+        if "messages" in record:
+            yield _render(template, _messages(record, template, where), False, where)
+        else:
+            yield "".join(_prompt_completion(record, where))
+
+
+def _records(files: list[pathlib.Path], setting: str):
+    """(where, record) of every non-empty line of the files: a JSON object; a line that is not
+    UTF-8, not JSON, or plain text after instruction lines is an error naming it."""
+    first: str | None = None  # where the first instruction line is, for the mixed-format error
+    for path in files:
+        # surrogateescape: a line that is not UTF-8 is reported with its number, not a traceback
+        with open(path, encoding="utf-8", errors="surrogateescape") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{setting}: {path}:{lineno}"
+                if bad := not_utf8(line):
+                    raise _bad(where, f"is not UTF-8 text ({bad}); convert the file to UTF-8")
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise _bad(where, f"is not valid JSON ({e.msg})") from None
+                if not isinstance(record, dict):
+                    raise _bad(where, "expected a JSON object with prompt/completion or messages")
+                if not INSTRUCTION_KEYS & record.keys() and first is not None:
+                    raise _bad(
+                        where,
+                        f"has neither prompt/completion nor messages (keys: {sorted(record)}), "
+                        f"while {first} is instruction data: mixed formats; a run reads one, so "
+                        "put text and instruction lines in separate files",
+                    )
+                first = first or f"{path}:{lineno}"
+                yield where, record
 
 
 def _continuation(tok: Tokenizer, prompt: str, prompt_ids: list[int], completion: str) -> list:
@@ -294,42 +347,20 @@ def build_instruction_arrays(
     eos, bos = eos_id(tok), leading_special_ids(tok)
     rows, masks, loss_counts, cut = [], [], [], []
     stats = InstructStats()
-    first: str | None = None  # where the first instruction line is, for the mixed-format error
-    for path in files:
-        # surrogateescape: a line that is not UTF-8 is reported with its number, not a traceback
-        with open(path, encoding="utf-8", errors="surrogateescape") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{setting}: {path}:{lineno}"
-                if bad := not_utf8(line):
-                    raise _bad(where, f"is not UTF-8 text ({bad}); convert the file to UTF-8")
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise _bad(where, f"is not valid JSON ({e.msg})") from None
-                plain = isinstance(record, dict) and not INSTRUCTION_KEYS & record.keys()
-                if plain and first is not None:
-                    raise _bad(
-                        where,
-                        f"has neither prompt/completion nor messages (keys: {sorted(record)}), "
-                        f"while {first} is instruction data: mixed formats; a run reads one, so "
-                        "put text and instruction lines in separate files",
-                    )
-                first = first or f"{path}:{lineno}"
-                ids, mask = encode_record(record, tok, template, where, eos, bos)
-                if not any(mask[1:]):  # the first token is never a label
-                    raise _bad(where, "has no loss tokens (no completion / assistant text)")
-                truncated = len(ids) > seq_len + 1
-                if truncated:
-                    ids, mask = ids[: seq_len + 1], mask[: seq_len + 1]
-                    if not any(mask[1:]):  # the prompt fills the sequence: nothing to learn
-                        stats.dropped += 1
-                        continue
-                rows.append(ids)
-                masks.append(mask)
-                loss_counts.append(sum(mask[1:]))
-                cut.append(truncated)
+    for where, record in _records(files, setting):
+        ids, mask = encode_record(record, tok, template, where, eos, bos)
+        if not any(mask[1:]):  # the first token is never a label
+            raise _bad(where, "has no loss tokens (no completion / assistant text)")
+        truncated = len(ids) > seq_len + 1
+        if truncated:
+            ids, mask = ids[: seq_len + 1], mask[: seq_len + 1]
+            if not any(mask[1:]):  # the prompt fills the sequence: nothing to learn
+                stats.dropped += 1
+                continue
+        rows.append(ids)
+        masks.append(mask)
+        loss_counts.append(sum(mask[1:]))
+        cut.append(truncated)
     if not rows:
         why = f" ({stats.dropped} have no loss token within train.seq_len)" if stats.dropped else ""
         raise ConfigError(f"{setting}: {files[0] if files else ''} holds no samples{why}")

@@ -2,17 +2,23 @@
 
 Byte-level BPE needs no unknown token and round-trips any text exactly, so the built-in corpus
 trains a usable tokenizer of exactly the model's vocabulary size in seconds, with no download.
+For instruction data the BPE learns from the samples as the model will see them (prompt +
+completion, conversations rendered with chat.SCRATCH_TEMPLATE), has that template's turn markers
+as special tokens, and its cache directory holds the template and a tokenizer_config.json
+beside tokenizer.json: a tokenizer directory like a pretrained model's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import pathlib
+from collections.abc import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from hybrid2d.config import DataConfig, JobConfig
 from hybrid2d.data.cache import atomic_path, cache_key, must_build, read_cached
+from hybrid2d.data.chat import SCRATCH_TEMPLATE, TURN_END, TURN_START, scratch_chat_files
 from hybrid2d.data.corpus import corpus_documents, corpus_identity
 from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
@@ -25,19 +31,30 @@ EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>")
 
 
 def load_or_train_tokenizer(
-    cfg: DataConfig, vocab_size: int, cache_dir: pathlib.Path, build: bool = True
+    cfg: DataConfig,
+    vocab_size: int,
+    cache_dir: pathlib.Path,
+    build: bool = True,
+    samples: Iterable[str] | None = None,
 ) -> Tokenizer:
-    """cfg.tokenizer loaded, or a cached BPE of exactly vocab_size tokens trained on the corpus;
-    with build=False a missing cache entry is an error, not a job."""
+    """cfg.tokenizer loaded, or a cached BPE of exactly vocab_size tokens trained on the corpus
+    or, for instruction data, on `samples` (the rendered samples; read only when the BPE is
+    trained); with build=False a missing cache entry is an error, not a job."""
     if cfg.tokenizer:
         tok = _load_user_tokenizer(cfg.tokenizer)
     else:
-        # A directory with a tokenizer.json, so it can also be passed back as data.tokenizer.
-        key = cache_key("bpe-v1", corpus_identity(cfg), vocab_size, cfg.max_chars)
-        path = pathlib.Path(cache_dir) / "tokenizers" / f"bpe{vocab_size}-{key}" / "tokenizer.json"
+        folder = trained_tokenizer_dir(cfg, vocab_size, cache_dir, samples is not None)
+        path = folder / "tokenizer.json"
         if must_build(path, build, cache_dir, f"trained tokenizer {path.name}"):
-            with atomic_path(path) as tmp:
-                train_bpe(corpus_documents(cfg), vocab_size).save(str(tmp))
+            if samples is None:
+                tok = train_bpe(corpus_documents(cfg), vocab_size)
+            else:
+                tok = train_bpe(samples, vocab_size, (EOS_TOKEN, TURN_START, TURN_END))
+                for name, text in scratch_chat_files(EOS_TOKEN).items():
+                    with atomic_path(folder / name) as tmp:
+                        tmp.write_text(text, encoding="utf-8")
+            with atomic_path(path) as tmp:  # last: its presence means the directory is whole
+                tok.save(str(tmp))
         # Loading what was saved (also right after training) makes every process hash and use
         # byte-identical tokenizers.
         tok = read_cached(path, lambda p: Tokenizer.from_file(str(p)))
@@ -50,12 +67,24 @@ def load_or_train_tokenizer(
     return tok
 
 
-def train_bpe(docs, vocab_size: int) -> Tokenizer:
-    """A byte-level BPE with exactly vocab_size tokens, EOS_TOKEN among them."""
-    if vocab_size < 257:
+def trained_tokenizer_dir(
+    cfg: DataConfig, vocab_size: int, cache_dir: pathlib.Path, instruct: bool = False
+) -> pathlib.Path:
+    """The cache directory of the BPE trained on cfg's data (instruct: on its rendered
+    instruction samples); a directory, so it can also be passed back as data.tokenizer."""
+    if instruct:
+        key = cache_key("bpe-chat-v1", corpus_identity(cfg), vocab_size, SCRATCH_TEMPLATE)
+        return pathlib.Path(cache_dir) / "tokenizers" / f"bpe{vocab_size}-chat-{key}"
+    key = cache_key("bpe-v1", corpus_identity(cfg), vocab_size, cfg.max_chars)
+    return pathlib.Path(cache_dir) / "tokenizers" / f"bpe{vocab_size}-{key}"
+
+
+def train_bpe(docs, vocab_size: int, special: tuple[str, ...] = (EOS_TOKEN,)) -> Tokenizer:
+    """A byte-level BPE with exactly vocab_size tokens, the `special` tokens first."""
+    if vocab_size < 256 + len(special):
         raise ConfigError(
             f"model.vocab_size={vocab_size} is too small for a byte-level BPE "
-            "(256 bytes + <|endoftext|>); use >= 257"
+            f"(256 bytes + {' '.join(special)}); use >= {256 + len(special)}"
         )
     tok = Tokenizer(models.BPE())
     # add_prefix_space=False keeps decode(encode(text)) == text.
@@ -63,7 +92,7 @@ def train_bpe(docs, vocab_size: int) -> Tokenizer:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[EOS_TOKEN],
+        special_tokens=list(special),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
