@@ -33,7 +33,7 @@ from hybrid2d.mesh import (
     set_cpu_threads,
     shutdown_distributed,
 )
-from hybrid2d.metrics import MetricsWriter
+from hybrid2d.metrics import MetricsWriter, attended_pairs
 from hybrid2d.metrics.progress import RunProgress, start_line
 from hybrid2d.metrics.summary import run_summary, write_summary
 from hybrid2d.models.llama import Llama
@@ -98,6 +98,9 @@ class StepResult:
     skipped: bool = False
     tokens: int = 0  # real (non-padding) positions of the global batch
     loss_tokens: int = 0  # positions of the global batch the loss counts
+    # (query, key) pairs the global batch's attention masks let through, summed over layers
+    # (documents of packed rows apart): the attention part of the step's model FLOPs
+    attended: int = 0
 
 
 class NonFiniteError(FloatingPointError):
@@ -151,17 +154,18 @@ class Trainer:
         (loss * scale).backward()
         return loss.detach()
 
-    def global_counts(self, micro_batches: list[Batch]) -> tuple[int, int]:
-        """(loss tokens, real tokens) of the whole global batch: labels other than -100 and
-        positions that are not padding in this rank's micro batches, summed over the dp ranks
-        (one all-reduce; tp ranks of a dp group agree)."""
+    def global_counts(self, micro_batches: list[Batch], attended: int = 0) -> tuple[int, ...]:
+        """(loss tokens, real tokens, attended pairs) of the whole global batch: labels other
+        than -100, positions that are not padding in this rank's micro batches and this rank's
+        `attended` (query, key) pairs, summed over the dp ranks (one all-reduce; tp ranks of a
+        dp group agree)."""
         loss = sum(loss_tokens(b.labels) for b in micro_batches)
         real = sum(b.tokens for b in micro_batches)
-        counts = torch.stack([loss, torch.tensor(real, device=loss.device)]).to(self.mesh.device)
+        more = torch.tensor([real, attended], device=loss.device)
+        counts = torch.cat([loss.reshape(1), more]).to(self.mesh.device)
         if self.mesh.dp > 1:
             dist.all_reduce(counts, group=self.mesh.dp_mesh.get_group())
-        loss_count, real_count = counts.tolist()
-        return int(loss_count), int(real_count)
+        return tuple(int(x) for x in counts.tolist())
 
     def train_step(self, micro_batches: list) -> StepResult:
         """Forward/backward over this dp rank's micro batches (each a `Batch`, or an (inputs,
@@ -181,8 +185,12 @@ class Trainer:
         # All of the step's batches go to the device here, where the GPU is idle anyway: a
         # blocking copy between micro batches would wait for the queued backward and take
         # away the host's run-ahead once per micro batch.
-        micro_batches = [Batch.of(b).to(device) for b in micro_batches]
-        total_tokens, real_tokens = self.global_counts(micro_batches)
+        micro_batches = [Batch.of(b) for b in micro_batches]
+        # Read from the host's copy of the document indices: no device sync.
+        lengths = [n for b in micro_batches for n in b.document_lengths()]
+        attended = attended_pairs(self.mesh.layout.model, lengths)
+        micro_batches = [b.to(device) for b in micro_batches]
+        total_tokens, real_tokens, attended = self.global_counts(micro_batches, attended)
         divide_by = float(max(total_tokens, 1))
         loss_sum = torch.zeros((), device=device)
         defer = self.cfg.parallel.defer_grad_sync and n > 1
@@ -215,8 +223,9 @@ class Trainer:
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
         return StepResult(
-            self.step, loss, grad_norm, lr, seconds, not finite, real_tokens, total_tokens
-        )
+            self.step, loss, grad_norm, lr, seconds, not finite, real_tokens, total_tokens,
+            attended,
+        )  # fmt: skip
 
     @torch.no_grad()
     def evaluate(self, val: EvalSet, on_batch: Callable[[], None] = lambda: None):

@@ -74,3 +74,43 @@ def test_flops_per_token_of_each_family_equals_counted_matmuls(family):
     assert flops_per_token(cfg, seq) * batch * seq == pytest.approx(counted, rel=1e-12)
     if cfg.sliding_window:  # the window is shorter than the sequence: fewer pairs than causal
         assert sum(pairs) < cfg.n_layers * seq * (seq + 1) // 2
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_packed_rows_count_only_the_pairs_inside_each_document(family):
+    """MFU's numerator for packed rows: matmuls of the real tokens, attention over the (query,
+    key) pairs inside each document (and window), none for the padding at a row's end. Checked
+    against torch's count of one step on those rows (weights: per real token; attention: the
+    math backend's whole score square times the share of pairs each layer's own mask, read on
+    the real positions only, lets through)."""
+    from hybrid2d.data.batch import Batch
+    from hybrid2d.metrics import attended_pairs, step_flops
+
+    cfg = family_model(family)
+    model = Llama(cfg)
+    model.init_weights(0)
+    seq = 13
+    # Row 0: documents of 5, 3 and 4 tokens, then one padding position (its own document);
+    # row 1: documents of 7 and 6 tokens, no padding.
+    docs = torch.tensor([[0] * 5 + [1] * 3 + [2] * 4 + [3], [0] * 7 + [1] * 6])
+    real = torch.tensor([12, 13])
+    inputs = torch.randint(0, cfg.vocab_size, (2, seq))
+    labels = torch.randint(0, cfg.vocab_size, (2, seq))
+    batch = Batch(inputs, labels, docs, real)
+    assert batch.document_lengths() == [5, 3, 4, 7, 6]
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        logits = model(inputs, docs)
+        F.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
+    counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    is_real = torch.arange(seq)[None, :] < real[:, None]  # [b, s]
+    real_pairs = is_real[:, None, :, None] & is_real[:, None, None, :]
+    pairs = [
+        int((dense_mask(docs, cfg.layer_window(i), seq, torch.device("cpu")) & real_pairs).sum())
+        for i in range(cfg.n_layers)
+    ]
+    weights = (counts["aten.mm"] + counts.get("aten.addmm", 0)) * int(real.sum()) / inputs.numel()
+    attention = counts["aten.bmm"] / cfg.n_layers * sum(pairs) / (2 * seq**2)
+    got = step_flops(cfg, batch.tokens, attended_pairs(cfg, batch.document_lengths()))
+    assert got == pytest.approx(weights + attention, rel=1e-12)
+    # One sequence per row (the pairs a row of `seq` tokens attends) counts more.
+    assert attended_pairs(cfg, [seq, seq]) > attended_pairs(cfg, batch.document_lengths())

@@ -32,6 +32,20 @@ class Batch(NamedTuple):
         """Real (non-padding) positions of the batch."""
         return self.inputs.numel() if self.real_tokens is None else int(self.real_tokens.sum())
 
+    def document_lengths(self) -> list[int]:
+        """Lengths of every row's real documents, in order (attention stays inside each; the
+        padding after a row's real tokens is none): a row without documents is one of its real
+        tokens."""
+        n, s = self.inputs.shape
+        real = [s] * n if self.real_tokens is None else self.real_tokens.tolist()
+        if self.documents is None:
+            return [r for r in real if r]
+        out = []
+        for row, r in zip(self.documents, real, strict=True):
+            if r:
+                out += torch.unique_consecutive(row[:r], return_counts=True)[1].tolist()
+        return out
+
     def to(self, device: torch.device) -> Batch:
         """inputs, labels and documents on `device` (the counts stay where they are)."""
         docs = None if self.documents is None else self.documents.to(device)

@@ -5,19 +5,23 @@ its closing lines. The figures are re-exported here: the profiler and the planne
 from hybrid2d.metrics.writer import (
     MetricsWriter,
     attended_keys,
+    attended_pairs,
     device_peaks,
     flops_per_token,
     peak_memory_bytes,
     peak_rss_bytes,
     rss_bytes,
+    step_flops,
 )
 
 __all__ = [
     "MetricsWriter",
     "attended_keys",
+    "attended_pairs",
     "device_peaks",
     "flops_per_token",
     "peak_memory_bytes",
     "peak_rss_bytes",
     "rss_bytes",
+    "step_flops",
 ]

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from hybrid2d.config import JobConfig
 from hybrid2d.data.tokenizer import describe_tokenizer
 from hybrid2d.mesh import Mesh, describe_transport, print0
-from hybrid2d.metrics.writer import MetricsWriter, flops_per_token, peak_memory_bytes
+from hybrid2d.metrics.writer import MetricsWriter, peak_memory_bytes, step_flops
 
 
 def start_line(cfg: JobConfig, mesh: Mesh, run_dir: str) -> str:
@@ -74,7 +74,7 @@ class RunProgress:
         self.writer = writer
         self.bar = _progress(cfg.train.steps, cfg.metrics.progress_bar)
         self.positions_per_step = cfg.train.global_batch * cfg.train.seq_len
-        self.flops_per_token = flops_per_token(mesh.layout.model, cfg.train.seq_len)
+        self.model = mesh.layout.model
         self.losses: list[float] = []
         self.times: list[float] = []  # seconds per step
         self.tokens: list[int] = []  # real (non-padding) tokens per step
@@ -93,7 +93,9 @@ class RunProgress:
         if self._logged(result.step):
             # Real tokens, not padding: what a packed and a padded run are compared by.
             tps = result.tokens / result.seconds
-            tflops_per_rank = self.flops_per_token * tps / dist.get_world_size() / 1e12
+            # Model FLOPs of the real tokens, attention over the pairs each document sees.
+            flops = step_flops(self.model, result.tokens, result.attended)
+            tflops_per_rank = flops / result.seconds / dist.get_world_size() / 1e12
             self.writer.scalars(
                 result.step,
                 {

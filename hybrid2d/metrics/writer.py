@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import resource
 import sys
+from collections import Counter
 
 import psutil
 import torch
@@ -47,8 +48,29 @@ def attended_keys(m: ModelConfig, seq_len: int) -> int:
     return total
 
 
+def attended_pairs(m: ModelConfig, lengths) -> int:
+    """(query, key) pairs, summed over the layers, of documents of these lengths each attending
+    only within itself (packed rows with document masks; a row without documents is one of its
+    real tokens): `attended_keys` of each document."""
+    return sum(n * attended_keys(m, length) for length, n in Counter(lengths).items())
+
+
+def step_flops(m: ModelConfig, tokens: int, pairs: int) -> float:
+    """Model FLOPs (forward + backward) of `tokens` training tokens whose attention masks let
+    `pairs` (query, key) pairs through (summed over the layers: `attended_pairs`); see
+    `flops_per_token`."""
+    return 6 * _matmul_weights(m) * tokens + 12 * m.n_heads * m.head_dim * pairs
+
+
+def _matmul_weights(m: ModelConfig) -> int:
+    hd = m.head_dim
+    projections = m.dim * hd * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * m.dim * m.ffn_dim
+    return m.n_layers * projections + m.vocab_size * m.dim
+
+
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
-    """Model FLOPs of one training token (forward + backward), the numerator of MFU.
+    """Model FLOPs of one training token (forward + backward) of rows of `seq_len` tokens, one
+    sequence each, the numerator of MFU.
 
     A weight used in a matmul costs 2 FLOPs per token forward and 4 backward (input and weight
     gradients). The weights that do matmuls are the block projections (of `head_dim`-sized heads,
@@ -57,14 +79,14 @@ def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     activation (SiLU or GELU) and the embedding scale are elementwise and count none, as in every
     MFU figure. Attention's scores and weighted sum cost 4 x head_dim x heads per (query, key)
     pair forward, 12 with backward, over the pairs the mask lets through (`attended_keys`:
-    causal, and the window on sliding layers).
+    causal, and the window on sliding layers). Rows packed with several documents attend to
+    fewer pairs: `step_flops` with `attended_pairs` counts those.
     """
-    hd = m.head_dim
-    projections = m.dim * hd * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * m.dim * m.ffn_dim
-    matmul_weights = m.n_layers * projections + m.vocab_size * m.dim
     if not seq_len:
-        return 6 * matmul_weights
-    return 6 * matmul_weights + 12 * m.n_heads * hd * attended_keys(m, seq_len) / seq_len
+        return 6 * _matmul_weights(m)
+    return (
+        6 * _matmul_weights(m) + 12 * m.n_heads * m.head_dim * attended_keys(m, seq_len) / seq_len
+    )
 
 
 class MetricsWriter:

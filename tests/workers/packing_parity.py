@@ -93,7 +93,7 @@ def whole(t: torch.Tensor) -> torch.Tensor:
 def first_grads(trainer, batches) -> dict:
     """The gradients of the step's loss (summed token loss / global loss tokens) at the
     current weights, as the trainer computes them, gathered whole."""
-    total, _ = trainer.global_counts(batches)
+    total, *_ = trainer.global_counts(batches)
     for b in batches:
         trainer.forward_backward(
             b.inputs, b.labels, float(trainer.mesh.dp), float(total), b.documents
