@@ -34,6 +34,7 @@ from hybrid2d.cli import OneLineParser, apply_overrides, positive_size
 from hybrid2d.config import JobConfig
 from hybrid2d.errors import ConfigError
 from hybrid2d.layout import MESH_DIMS, RunLayout
+from hybrid2d.planner.launch import packed_documents
 from hybrid2d.planner.memory import estimate, estimates_per_rank
 from hybrid2d.profiling.profiler import load_measured, summary_rows
 from hybrid2d.profiling.report import CATEGORIES, LABELS, Entry, Report, fmt_bytes, write
@@ -79,37 +80,43 @@ def parse(argv: list[str]):
 
 
 def largest_micro_batch(
-    cfg: JobConfig, layout: RunLayout, target: str, limit: int, below: int = 0, ac: str = ""
+    cfg: JobConfig,
+    layout: RunLayout,
+    target: str,
+    limit: int,
+    below: int = 0,
+    ac: str = "",
+    documents: bool = False,
 ) -> tuple[RunLayout, int] | None:
     """(layout, peak) with the largest micro batch (a divisor of the per-rank batch, smaller than
     `below` when given) whose estimate fits in `limit` bytes, with activation checkpointing `ac`
-    when given; None when none fits."""
+    when given; None when none fits. `documents`: packed rows (`packed_documents`)."""
     local = layout.local_batch
     ac = ac or layout.activation_checkpoint
     for mb in range(min(below or local + 1, local + 1) - 1, 0, -1):
         if local % mb == 0:
             trial = dataclasses.replace(layout, micro_batch=mb, activation_checkpoint=ac)
-            peak = estimate(cfg, trial, 0, target).peak
+            peak = estimate(cfg, trial, 0, target, documents).peak
             if peak <= limit:
                 return trial, peak
     return None
 
 
 def pick_simulation_layout(
-    cfg: JobConfig, layout: RunLayout, target: str, budget: int
+    cfg: JobConfig, layout: RunLayout, target: str, budget: int, documents: bool = False
 ) -> tuple[RunLayout, str | None]:
     """The layout to simulate: `layout`, or it with the largest micro batch whose estimate fits
     in `budget` bytes (with a line saying so). Raises ConfigError when none fits."""
-    est = estimate(cfg, layout, 0, target)
+    est = estimate(cfg, layout, 0, target, documents)
     if est.peak <= budget:
         return layout, None
     current = layout.micro_batch
-    found = largest_micro_batch(cfg, layout, target, budget, below=current)
+    found = largest_micro_batch(cfg, layout, target, budget, current, documents=documents)
     if found is None:
         smallest = dataclasses.replace(layout, micro_batch=1)
         raise ConfigError(
             f"mesh {layout}: even train.micro_batch=1 needs about "
-            f"{fmt_bytes(estimate(cfg, smallest, 0, target).peak)} per rank, more than "
+            f"{fmt_bytes(estimate(cfg, smallest, 0, target, documents).peak)} per rank, more than "
             f"{fmt_bytes(budget)} available here; lower --train.seq_len to simulate"
         )
     trial = found[0]
@@ -182,6 +189,8 @@ def run(args, rest: list[str]) -> int:
     if not 0 <= args.headroom < 1:
         raise ConfigError(f"--headroom {args.headroom} must be in [0, 1)")
     fit = {"device_memory": device_memory, "headroom": args.headroom}
+    # Packed rows (instruction data, text with document masks) hold per-row masks: priced.
+    documents = packed_documents(cfg)
 
     entries: list[tuple[Entry, RunLayout]] = []
     notes: list[str] = []
@@ -192,13 +201,13 @@ def run(args, rest: list[str]) -> int:
         )
         print("note: " + notes[-1])
     for mesh in layouts:
-        per_rank = estimates_per_rank(cfg, mesh, target)
+        per_rank = estimates_per_rank(cfg, mesh, target, documents)
         ran = mesh.mesh_shape == run_mesh
         entry = Entry(str(mesh), per_rank[0], per_rank, measured=measured if ran else [], **fit)
         mine = [entry]
         if args.simulate:
             budget = int(psutil.virtual_memory().available * SIM_MEMORY_FRACTION)
-            sim_layout, why = pick_simulation_layout(cfg, mesh, target, budget)
+            sim_layout, why = pick_simulation_layout(cfg, mesh, target, budget, documents)
             if why:
                 print(why, flush=True)
                 notes.append(why)
@@ -208,7 +217,7 @@ def run(args, rest: list[str]) -> int:
             sim["outer_wall_s"] = time.perf_counter() - start
             sim.pop("config", None)
             if why:  # compare like with like: the estimate at the simulated micro batch
-                est = estimate(cfg, sim_layout, 0, target).to_dict()
+                est = estimate(cfg, sim_layout, 0, target, documents).to_dict()
                 name = f"{mesh} (micro batch {sim['micro_batch']}, simulated)"
                 mine.append(Entry(name, est, simulated=sim, **fit))
             else:
@@ -229,7 +238,7 @@ def run(args, rest: list[str]) -> int:
             line = f"  {e.mesh:36s} {fmt_bytes(e.best()['peak']):>12s}  "
             line += "yes" if e.fits() else "NO "
             if not e.fits() and e.simulated is None:
-                e.remedy = micro_batch_advice(cfg, mesh, target, limit)
+                e.remedy = micro_batch_advice(cfg, mesh, target, limit, documents)
                 line += "  " + e.remedy
             print(line)
         print()
@@ -249,10 +258,13 @@ def run(args, rest: list[str]) -> int:
     return 0
 
 
-def micro_batch_advice(cfg: JobConfig, mesh: RunLayout, target: str, limit: int) -> str:
+def micro_batch_advice(
+    cfg: JobConfig, mesh: RunLayout, target: str, limit: int, documents: bool = False
+) -> str:
     """The largest micro batch that fits in `limit`, without and with activation checkpointing."""
     plain, ac_full = (
-        largest_micro_batch(cfg, mesh, target, limit, ac=ac) for ac in ("none", "full")
+        largest_micro_batch(cfg, mesh, target, limit, ac=ac, documents=documents)
+        for ac in ("none", "full")
     )
     parts = []
     if plain:

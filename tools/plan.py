@@ -43,6 +43,7 @@ from hybrid2d.errors import ConfigError
 from hybrid2d.layout import MESH_DIMS, RunLayout
 from hybrid2d.metrics import flops_per_token
 from hybrid2d.planner import hardware as hwlib
+from hybrid2d.planner.launch import packed_documents
 from hybrid2d.planner.model import DEFAULT_HEADROOM, PLANNED, predict
 from hybrid2d.planner.search import (
     accelerate_config,
@@ -257,7 +258,10 @@ def parse_ranks(text: str) -> list[int]:
 def run_plan(args, cfg: JobConfig, hw: hwlib.Hardware, fixed: frozenset[str]) -> int:
     world = args.nodes * args.gpus_per_node
     started = time.process_time()
-    result = plan(cfg, world, args.gpus_per_node, hw, args.headroom, fixed=fixed)
+    documents = packed_documents(cfg)  # packed rows' masks are priced
+    result = plan(
+        cfg, world, args.gpus_per_node, hw, args.headroom, fixed=fixed, documents=documents
+    )
     took = time.process_time() - started
     fits = sum(c.fits for c in result.candidates)
     kept = f" with {set_values(cfg, fixed)}" if fixed else ""
@@ -340,7 +344,10 @@ def other_values(args, cfg: JobConfig, hw: hwlib.Hardware, fixed: frozenset[str]
     said = []
     for name in sorted(fixed):
         field = name.split(".")[1]
-        wider = plan(cfg, result.world, args.gpus_per_node, hw, args.headroom, fixed=fixed - {name})
+        wider = plan(
+            cfg, result.world, args.gpus_per_node, hw, args.headroom, fixed=fixed - {name},
+            documents=packed_documents(cfg),
+        )  # fmt: skip
         values = sorted({getattr(c, field) for c in wider.candidates if c.fits or not fitting})
         if values:
             listed = ", ".join(map(str, values[:-1])) + " or " * (len(values) > 1) + str(values[-1])
@@ -481,7 +488,7 @@ def run_check(args, hw: hwlib.Hardware | None) -> int:
         return 2
     mesh = RunLayout.on_mesh(cfg, tuple(summary["mesh"][k] for k in MESH_DIMS))
     gpus = min(mesh.world, args.gpus_per_node or hw.gpus_per_node)
-    cand = predict(cfg, mesh, hw, gpus, args.headroom)
+    cand = predict(cfg, mesh, hw, gpus, args.headroom, packed_documents(cfg))
     tokens = cfg.train.global_batch * cfg.train.seq_len
     # positions_per_s counts padding too (tokens_per_s, real tokens only, since packing)
     step = tokens / summary.get("positions_per_s", summary["tokens_per_s"])

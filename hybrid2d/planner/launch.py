@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 
 from hybrid2d.config import JobConfig, ModelConfig
+from hybrid2d.data.build import data_kind
+from hybrid2d.data.corpus import source_files
 from hybrid2d.errors import ConfigError
 from hybrid2d.launcher import LAUNCHER_MESH_ENV, launched_mesh_env
 from hybrid2d.layout import RunLayout
@@ -54,9 +56,23 @@ def guess_note(hw: Hardware) -> str:
     return ""
 
 
+def packed_documents(cfg: JobConfig) -> bool:
+    """Whether the run's rows hold several documents apart (per-row masks and positions, which
+    the memory estimate's `documents` prices): packed instruction data, or text with
+    data.document_mask on. Instruction data is told by its files' first line (data_kind),
+    read only when the settings leave the kind open."""
+    d = cfg.data
+    if d.document_mask == "on":  # text only (instruction data refuses it)
+        return True
+    if not d.path or d.format == "text" or d.packing == "padded":
+        return False
+    return data_kind(cfg, source_files(d)) == "instruct"
+
+
 def prediction(cfg: JobConfig, layout: RunLayout, hw: Hardware, per_node: int) -> Candidate:
-    """The planner's figures for exactly this layout."""
-    return predict(cfg, layout, hw, gpus_per_node=max(per_node, layout.tp))
+    """The planner's figures for exactly this layout (packed rows priced as such)."""
+    gpus = max(per_node, layout.tp)
+    return predict(cfg, layout, hw, gpus_per_node=gpus, documents=packed_documents(cfg))
 
 
 def planned(cfg: JobConfig, mesh: Mesh, hw: Hardware, per_node: int) -> dict:
@@ -141,7 +157,9 @@ def auto_plan(
             "the config's parallelism_config, the sizes it leaves out as 1); drop "
             "parallelism_config from the accelerate config or use parallel.plan=manual"
         )
-    best = best_plan(cfg, world, min(per_node, world), hw, model=model)
+    best = best_plan(
+        cfg, world, min(per_node, world), hw, model=model, documents=packed_documents(cfg)
+    )
     choices = {
         "dp_replicate": best.dp_replicate,
         "dp_shard": best.dp_shard,

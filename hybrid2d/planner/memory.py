@@ -380,7 +380,9 @@ def attention_inputs(
     return total, forward
 
 
-def estimates_per_rank(cfg: JobConfig, layout: RunLayout, target: str = "cuda") -> list[dict]:
+def estimates_per_rank(
+    cfg: JobConfig, layout: RunLayout, target: str = "cuda", documents: bool = False
+) -> list[dict]:
     """Every rank's `estimate(...).to_dict()`; ranks differ only by their dp_shard index (uneven
     FSDP shards), so one estimate per index serves them all."""
     by_shard: dict[int, Estimate] = {}
@@ -388,6 +390,6 @@ def estimates_per_rank(cfg: JobConfig, layout: RunLayout, target: str = "cuda") 
     for r in range(layout.world):
         shard = layout.coords(r)[1]
         if shard not in by_shard:
-            by_shard[shard] = estimate(cfg, layout, r, target)
+            by_shard[shard] = estimate(cfg, layout, r, target, documents)
         out.append(by_shard[shard].to_dict() | {"rank": r})
     return out

@@ -249,13 +249,15 @@ def predict(
     hardware: Hardware,
     gpus_per_node: int | None = None,
     headroom: float = DEFAULT_HEADROOM,
+    documents: bool = False,
 ) -> Candidate:
     """Step time, throughput, MFU and peak memory of `cfg` laid out as `layout` (ConfigError
-    when a tp group would cross nodes)."""
+    when a tp group would cross nodes). `documents`: the rows are packed with several
+    documents (`planner.launch.packed_documents`), whose masks the memory estimate prices."""
     G = gpus_per_node or hardware.gpus_per_node
     if not group_inside_node(layout.tp, G):
         raise ConfigError(f"tp={layout.tp} crosses nodes ({G} GPUs per node)")
-    return predict_valid(cfg, layout, hardware, G, headroom)
+    return predict_valid(cfg, layout, hardware, G, headroom, documents)
 
 
 def tp_block_overhead(hw: Hardware, T: int, ranks_on_host: int, comm_scale: float) -> float:
@@ -270,7 +272,12 @@ def tp_block_overhead(hw: Hardware, T: int, ranks_on_host: int, comm_scale: floa
 
 
 def predict_valid(
-    cfg: JobConfig, layout: RunLayout, hw: Hardware, G: int, headroom: float = DEFAULT_HEADROOM
+    cfg: JobConfig,
+    layout: RunLayout,
+    hw: Hardware,
+    G: int,
+    headroom: float = DEFAULT_HEADROOM,
+    documents: bool = False,
 ) -> Candidate:
     """`predict` without the node check (the search checks each mesh once), with G GPUs per
     node. The model, mesh, batch split and checkpointing are the layout's."""
@@ -431,7 +438,7 @@ def predict_valid(
     mfu = f["model"] * t.global_batch * S / step_s / (hw.peak_flops * devices)
 
     # ---- memory -------------------------------------------------------------------------------
-    est = estimate(cfg, layout, 0, hw.target)
+    est = estimate(cfg, layout, 0, hw.target, documents)
     limit = hw.memory_bytes * (1 - headroom) / (ranks_on_host if hw.host_cores else 1)
     fits = est.peak <= limit
 

@@ -59,11 +59,12 @@ def plan(
     headroom: float = DEFAULT_HEADROOM,
     model: ModelConfig | None = None,
     fixed: Collection[str] = (),
+    documents: bool = False,
 ) -> Plan:
     """Predict every valid candidate; rank fitting ones by step time, then the rest by memory.
     `model`: the shape to plan for in place of cfg.model's (an init_from checkpoint's).
     `fixed`: names from PLANNED whose value in cfg every candidate keeps (the others are the
-    search's to choose)."""
+    search's to choose). `documents`: rows packed with several documents (`predict`)."""
     if world_size < 1 or gpus_per_node < 1:
         raise ConfigError(f"world size {world_size} and GPUs per node {gpus_per_node} must be >= 1")
     keep = fixed_values(cfg, fixed)
@@ -82,7 +83,7 @@ def plan(
         for ac in modes:
             for micro in micros:
                 layout = dataclasses.replace(base, activation_checkpoint=ac, micro_batch=micro)
-                out.append(predict_valid(cfg, layout, hardware, gpus_per_node, headroom))
+                out.append(predict_valid(cfg, layout, hardware, gpus_per_node, headroom, documents))
     out.sort(key=lambda c: (not c.fits, c.step_s if c.fits else c.peak_gib))
     return Plan(out, rejected, world_size, gpus_per_node, hardware)
 
@@ -124,9 +125,12 @@ def best_plan(
     hardware: Hardware,
     headroom: float = DEFAULT_HEADROOM,
     model: ModelConfig | None = None,
+    documents: bool = False,
 ) -> Candidate:
     """The fastest candidate that fits; ConfigError naming the smallest peak when none fits."""
-    result = plan(cfg, world_size, gpus_per_node, hardware, headroom, model=model)
+    result = plan(
+        cfg, world_size, gpus_per_node, hardware, headroom, model=model, documents=documents
+    )
     if result.best is not None:
         return result.best
     if not result.candidates:

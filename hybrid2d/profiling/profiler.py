@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from hybrid2d.config import resolve_mixed_precision
 from hybrid2d.layout import RunLayout
+from hybrid2d.planner.launch import packed_documents
 from hybrid2d.planner.memory import GiB, estimates_per_rank
 from hybrid2d.profiling.measure import CATEGORIES, measure_step
 from hybrid2d.profiling.report import Entry, Report, write
@@ -114,7 +115,8 @@ class MemoryProfiler:
 
         m = self.mesh
         try:
-            estimates = estimates_per_rank(self.cfg, m.layout, m.device.type)
+            documents = packed_documents(self.cfg)  # packed rows: their masks are priced
+            estimates = estimates_per_rank(self.cfg, m.layout, m.device.type, documents)
         except Exception as e:  # the estimate is an extra; never fail a run because of it
             print(f"memory estimate unavailable: {e}", file=sys.stderr, flush=True)
             estimates = []
