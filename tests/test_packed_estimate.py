@@ -91,3 +91,25 @@ def test_memory_report_and_plan_price_packed_rows(files, capsys, tmp_path):
     mesh = RunLayout.on_mesh(cfg, (1, 2, 1))
     key = (2, 1, mesh.activation_checkpoint, mesh.micro_batch)
     assert peaks[key] * 2**30 == pytest.approx(estimate(cfg, mesh, 0, "cpu", True).peak, rel=1e-12)
+
+
+def test_check_run_prices_a_packed_run_as_its_summary_records_it(tmp_path, capsys):
+    """--check-run reads whether the run packed from its summary.json's data record (its data
+    files may be gone), not from the files."""
+    cfg = recipes.get("llama-debug")
+    cfg.data.path = str(tmp_path / "gone.jsonl")  # no longer there
+    layout = RunLayout.on_mesh(cfg, (1, 1, 1))
+    for data, documents in (({"kind": "instruct", "layout": "packed"}, True),
+                            ({"kind": "text", "layout": "windows"}, False)):  # fmt: skip
+        run = tmp_path / data["layout"]
+        run.mkdir()
+        (run / "config.json").write_text(json.dumps(cfg.to_dict()))
+        summary = {"mesh": {"dp_replicate": 1, "dp_shard": 1, "tp": 1}, "tokens_per_s": 4096.0,
+                   "peak_memory_bytes_per_rank": [2**30], "data": data}  # fmt: skip
+        (run / "summary.json").write_text(json.dumps(summary))
+        out = tmp_path / f"{data['layout']}.json"
+        assert plan_tool.main(["--check-run", str(run), "--gpu", "cpu", "--json", str(out)]) == 0
+        got = json.loads(out.read_text())["estimated_peak_gib"] * 2**30
+        want = estimate(cfg, layout, 0, "cpu", documents).peak
+        assert got == pytest.approx(want, rel=1e-12), data
+    capsys.readouterr()

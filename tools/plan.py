@@ -488,7 +488,10 @@ def run_check(args, hw: hwlib.Hardware | None) -> int:
         return 2
     mesh = RunLayout.on_mesh(cfg, tuple(summary["mesh"][k] for k in MESH_DIMS))
     gpus = min(mesh.world, args.gpus_per_node or hw.gpus_per_node)
-    cand = predict(cfg, mesh, hw, gpus, args.headroom, packed_documents(cfg))
+    # Packed rows, as the run recorded them (its data files may be elsewhere by now).
+    data = summary.get("data", {})
+    documents = data.get("layout") == "packed" or data.get("document_mask") == "on"
+    cand = predict(cfg, mesh, hw, gpus, args.headroom, documents)
     tokens = cfg.train.global_batch * cfg.train.seq_len
     # positions_per_s counts padding too (tokens_per_s, real tokens only, since packing)
     step = tokens / summary.get("positions_per_s", summary["tokens_per_s"])
