@@ -1,17 +1,25 @@
 #!/usr/bin/env bash
-# The GPU check of issue 13, ready for the day a GPU is lent (under 8 minutes on one CUDA GPU):
+# The GPU check of issues 13 and 34, ready for the day a GPU is lent (under 10 minutes on one
+# CUDA GPU):
 #   1. calibrate this machine at the recipe's shapes (tools/plan.py --calibrate),
 #   2. plan the recipe for one device (the best micro batch and checkpointing that fit),
 #   3. train it for STEPS steps in bf16 (parallel.mixed_precision auto) without and with
 #      parallel.compile, and for each run print MFU, measured vs estimated peak memory and
 #      planned vs measured step time (tools/plan.py --check-run). No checkpoint is saved: the
 #      1B model's final save (15 GB with AdamW's state) would take longer than its 20 steps.
+#   4. run tests/test_cuda.py (at most CUDA_TESTS_TIMEOUT seconds): the compiled FlexAttention
+#      BlockMask path against SDPA with the dense mask (document masks, sliding windows, both),
+#      Gemma 3-like and Qwen3-like models against transformers, packed rows against each
+#      document alone, a LoRA step against PEFT, all on the GPU (they need pytest, transformers
+#      and peft; a test whose package is missing is listed as skipped). --device cpu skips it.
+#      The script's exit status is that of the tests when they fail.
 #
 #   tools/gpu_check.sh [--device cuda|cpu] [--out DIR]
 #
 # Settings through the environment (defaults in brackets): RECIPE [llama3.2-1b], STEPS [20],
 # GLOBAL_BATCH [16], SEQ_LEN [the recipe's], COMPILE ["false true"], MAX_CHARS [4000000: the
-# tokenizer and data come from the first 4M characters of the built-in corpus], PYTHON [python].
+# tokenizer and data come from the first 4M characters of the built-in corpus], PYTHON [python],
+# CUDA_TESTS_TIMEOUT [300].
 # The tests run it with --device cpu, RECIPE=llama-debug and a few steps.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,11 +46,11 @@ if [ -n "${SEQ_LEN:-}" ]; then SIZES+=(--seq-len "$SEQ_LEN"); fi
 mkdir -p "$OUT"
 START=$(date +%s)
 
-echo "== 1/3 calibrate ($DEVICE, $RECIPE shapes)"
+echo "== 1/4 calibrate ($DEVICE, $RECIPE shapes)"
 "$PY" tools/plan.py --calibrate --device "$DEVICE" --recipe "$RECIPE" "${SIZES[@]}" \
   --out "$OUT/hardware.json" --json "$OUT/calibration-raw.json"
 
-echo "== 2/3 plan $RECIPE for one device"
+echo "== 2/4 plan $RECIPE for one device"
 "$PY" tools/plan.py --recipe "$RECIPE" --nodes 1 --gpus-per-node 1 --hardware "$OUT/hardware.json" \
   "${SIZES[@]}" --top 6 --json "$OUT/plan.json" | tee "$OUT/plan.txt"
 FLAGS=$(sed -n 's/^flags: //p' "$OUT/plan.txt")
@@ -51,7 +59,7 @@ if [ -z "$FLAGS" ]; then
   exit 1
 fi
 
-echo "== 3/3 train $STEPS steps, compile: $COMPILE"
+echo "== 3/4 train $STEPS steps, compile: $COMPILE"
 for compile in $COMPILE; do
   # shellcheck disable=SC2086  # FLAGS is a list of arguments
   "$PY" recipes/llama.py $FLAGS --train.steps "$STEPS" --train.device "$DEVICE" \
@@ -61,6 +69,15 @@ for compile in $COMPILE; do
   "$PY" tools/plan.py --check-run "$OUT/run-compile-$compile" --hardware "$OUT/hardware.json" \
     --gpus-per-node 1 --json "$OUT/check-compile-$compile.json"
 done
+
+echo "== 4/4 CUDA kernels, families and LoRA against their references (tests/test_cuda.py)"
+CUDA_TESTS=0
+if [ "$DEVICE" = cuda ]; then
+  timeout "${CUDA_TESTS_TIMEOUT:-300}" "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py \
+    2>&1 | tee "$OUT/cuda-tests.txt" || CUDA_TESTS=$?
+else
+  echo "skipped: --device cpu (tests/test_cuda.py needs a CUDA device)"
+fi
 
 echo "== done in $(( $(date +%s) - START )) s; results in $OUT"
 for compile in $COMPILE; do
@@ -75,3 +92,7 @@ print(
 )
 EOF
 done
+if [ "$CUDA_TESTS" -ne 0 ]; then
+  echo "error: tests/test_cuda.py failed (exit $CUDA_TESTS; 124: past CUDA_TESTS_TIMEOUT); see $OUT/cuda-tests.txt" >&2
+  exit "$CUDA_TESTS"
+fi
