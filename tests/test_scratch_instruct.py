@@ -13,8 +13,14 @@ from tokenizers import Tokenizer
 
 from hybrid2d.config import DataConfig, JobConfig
 from hybrid2d.data import build_run_data, corpus_documents
-from hybrid2d.data.chat import SCRATCH_TEMPLATE, TURN_END, TURN_START, ChatTemplate
-from hybrid2d.data.tokenizer import EOS_TOKEN
+from hybrid2d.data.chat import (
+    SCRATCH_TEMPLATE,
+    TURN_END,
+    TURN_START,
+    ChatTemplate,
+    load_chat_template,
+)
+from hybrid2d.data.tokenizer import EOS_TOKEN, load_or_train_tokenizer
 from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
 from tests.launch import check_ok, run_ranks
@@ -76,7 +82,11 @@ def test_instruction_data_trains_a_bpe_of_its_rendered_samples(tmp_path, fmt):
         assert got == want[: len(got)] and (hi - lo == 65 or got == want), (got, want)
     files = sorted(p.name for p in (tmp_path / "cache" / "tokenizers").glob("*/*"))
     assert files == ["chat_template.jinja", "tokenizer.json", "tokenizer_config.json"]
-    assert run.tokenizer_dir.endswith(f"bpe{VOCAB}-chat-" + run.tokenizer_dir.split("-")[-1])
+    # The cache entry is a tokenizer directory: data.tokenizer takes it, template included.
+    again = load_or_train_tokenizer(DataConfig(tokenizer=run.tokenizer_dir), VOCAB, tmp_path)
+    assert again.to_str() == tok.to_str()
+    chat = next(r for r in samples if "messages" in r)
+    assert load_chat_template(run.tokenizer_dir).render(chat["messages"]) == rendered(chat)
 
 
 def test_transformers_reads_the_trained_directory_as_a_chat_tokenizer(tmp_path):
