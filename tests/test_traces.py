@@ -5,10 +5,11 @@ tests/test_memory.py, which also profiles memory)."""
 import json
 
 import pytest
+import torch
 
 from hybrid2d.config import JobConfig
 from hybrid2d.errors import ConfigError
-from hybrid2d.profiling.traces import PARTS, STEP_MARK, breakdown, format_table
+from hybrid2d.profiling.traces import PARTS, STEP_MARK, StepTraces, breakdown, format_table
 
 
 @pytest.mark.parametrize("value", ["0-2", "4-3", "3", "a-b", "3-4-5", "-1-2", "2-"])
@@ -131,3 +132,23 @@ def check_run_traces(run_dir, steps: tuple[int, int], world: int, stdout: str) -
             n.startswith(("c10d::", "_c10d_functional::", "gloo:")) for n in r["collectives"]
         )
     assert f"traces of steps {a}-{b}" in stdout
+
+
+def test_one_process_traces_only_the_range_and_reports_it(tmp_path, capsys):
+    """Without a process group: steps 1-4 run, 2-3 are traced, the table is printed and
+    breakdown.json written; torch ops inside the steps are compute, and nothing communicates."""
+    traces = StepTraces((2, 3), str(tmp_path))
+    x = torch.randn(64, 64)
+    for step in range(1, 5):
+        with traces.step(step):
+            for _ in range(20):
+                x = torch.tanh(x @ x)
+    rows = traces.report()
+    trace = json.loads((tmp_path / "traces" / "rank0.pt.trace.json").read_text())
+    assert breakdown(trace)["steps"] == [2, 3] and [r["rank"] for r in rows] == [0]
+    r = rows[0]
+    assert r["compute_s"] > 0 and r["comm_s"] == 0 and r["overlap_s"] == 0
+    assert r["compute_s"] + r["idle_s"] == pytest.approx(r["wall_s"], rel=1e-6)
+    saved = json.loads((tmp_path / "traces" / "breakdown.json").read_text())
+    assert saved == {"steps": [2, 3], "ranks": rows}
+    assert "traces of steps 2-3" in capsys.readouterr().out

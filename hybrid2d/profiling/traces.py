@@ -213,7 +213,7 @@ def format_table(rows: list[dict], steps: tuple[int, int], where: str) -> str:
         f"per rank, seconds over the {b - a + 1} step(s):"
     ]
     if not rows:
-        return lines[0] + " none recorded (the run ended before step " + f"{a})"
+        return lines[0] + " none recorded (no step of the range ran in this launch)"
     head = f"  {'rank':>6s} {'wall':>8s} {'compute':>8s} {'comm':>8s} {'overlap':>8s} {'idle':>8s}"
     lines.append(head + "  longest collective")
 
