@@ -192,3 +192,18 @@ def test_the_page_in_a_headless_browser(runs, tmp_path, which, rows):
     compute_blue, white = (0x4E, 0x79, 0xA7), (255, 255, 255)
     assert count.get(compute_blue, 0) > 5_000  # the breakdown's compute bands are painted
     assert count.get(white, 0) < 0.95 * 1280 * 1200  # not blank
+
+
+def test_many_logged_steps_are_binned_into_columns(tmp_path):
+    """300 logged steps draw as 100 columns of 3 steps (at most MAX_COLUMNS = 120), each the
+    mean of its steps: the page stays small whatever the run's length."""
+    records = balance_records((1, 2, 1), 2, slow_rank=None, steps=range(1, 301))
+    page = report(write_run(tmp_path / "run", records))
+    compute = next(p for p in svgs(page)[0].iter() if p.get("class") == "part")
+    points = [tuple(map(float, xy.split(","))) for xy in compute.get("points").split()]
+    assert len(points) == 4 * 100  # two corners a column, along the top and back along the base
+    # the first column's height: the mean of steps 1-3's compute, on the row's scale
+    heights = [r["ranks"][0]["compute_s"] for r in records[:3]]
+    vmax = max(sum(x[p] for p in PARTS) for r in records for x in r["ranks"])
+    base = points[-1][1]
+    assert base - points[0][1] == pytest.approx(34 * (sum(heights) / 3) / vmax, abs=0.06)

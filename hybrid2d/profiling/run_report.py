@@ -37,6 +37,7 @@ PART_COLORS = {
 DIMS = ("dp_replicate", "dp_shard", "tp")
 MAX_ROWS = 16  # ranks drawn one by one; beyond, one row per host
 MAX_GROUPS = 64  # hosts drawn one by one; beyond, blocks of consecutive ranks
+MAX_COLUMNS = 120  # logged steps drawn one by one; beyond, binned (about 5 pixels a column)
 REPORT_NAME = "run_report.html"
 
 
@@ -108,20 +109,57 @@ def _num(r: dict, key: str) -> float:
     return float(v) if isinstance(v, (int, float)) else 0.0
 
 
-def group_series(records: list[dict], group: Group) -> list[dict]:
-    """Per logged step: the group's median of each part, min / median / max of step_s."""
-    out = []
-    wanted = set(group.ranks)
-    for rec in records:
-        mine = [r for r in rec["ranks"] if r.get("rank") in wanted]
+def group_series(
+    by_rank: list[dict[int, dict]], group: Group, columns: int = MAX_COLUMNS
+) -> list[dict]:
+    """Per logged step: the group's median of each part, min / median / max of step_s. More
+    logged steps than `columns` are binned: each column the mean of its steps' medians and
+    the extremes of their min / max. `by_rank`: each logged step's records by rank."""
+    points = []
+    for step in by_rank:
+        mine = [step[rank] for rank in group.ranks if rank in step]
         if not mine:
+            points.append(None)
+            continue
+        point = {p: _median([_num(r, p) for r in mine]) for p in PARTS}
+        steps = [_num(r, "step_s") for r in mine]
+        point |= {"min": min(steps), "median": _median(steps), "max": max(steps)}
+        points.append(point)
+    size = -(-len(points) // columns)
+    out = []
+    for i in range(0, len(points), size):
+        chunk = [p for p in points[i : i + size] if p]
+        if not chunk:
             out.append(None)
             continue
-        point = {p: statistics.median(_num(r, p) for r in mine) for p in PARTS}
-        steps = [_num(r, "step_s") for r in mine]
-        point |= {"min": min(steps), "median": statistics.median(steps), "max": max(steps)}
-        out.append(point)
+        mean = {k: statistics.fmean(p[k] for p in chunk) for k in (*PARTS, "median")}
+        out.append(
+            mean | {"min": min(p["min"] for p in chunk), "max": max(p["max"] for p in chunk)}
+        )
     return out
+
+
+TABLE_KEYS = ("step_s", *PARTS, "cpu_s")
+
+
+def run_medians(records: list[dict]) -> dict[int, dict[str, float]]:
+    """Each rank's median over the logged steps of each `TABLE_KEYS` figure it recorded."""
+    values: dict[int, dict[str, list[float]]] = {}
+    for rec in records:
+        for r in rec["ranks"]:
+            mine = values.setdefault(r.get("rank"), {})
+            for key in TABLE_KEYS:
+                v = r.get(key)
+                if v is not None:
+                    mine.setdefault(key, []).append(v)
+    return {rank: {k: _median(v) for k, v in keys.items()} for rank, keys in values.items()}
+
+
+def _median(values) -> float:
+    """statistics.median without its generality: the report takes hundreds of thousands."""
+    v = sorted(values)
+    mid = len(v) // 2
+    return float(v[mid]) if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
 
 
 # ---- charts ------------------------------------------------------------------------------------
@@ -134,10 +172,11 @@ def svg_breakdown_rows(
     stacked (the group's median rank), with the group's slowest and fastest step as lines.
     A row holding a rank in `named` (the stragglers) has its label in red."""
     left, plot_w, row_h, gap, top = 220, 640, 34, 6, 30
-    series = [group_series(records, g) for g in groups]
+    by_rank = [{r.get("rank"): r for r in rec["ranks"]} for rec in records]
+    series = [group_series(by_rank, g) for g in groups]
     vmax = max([p["max"] for s in series for p in s if p] + [1e-9])
     vmax = max(vmax, max(sum(p[k] for k in PARTS) for s in series for p in s if p))
-    n = max(1, len(records))
+    n = max(1, len(series[0]))
     col = plot_w / n
     height = top + len(groups) * (row_h + gap) + 48
     parts = []
@@ -288,12 +327,6 @@ def _fmt(v, spec: str = ".3g", unit: str = "") -> str:
     return "-" if not isinstance(v, (int, float)) else f"{v:{spec}}{unit}"
 
 
-def _median_over_run(records: list[dict], rank: int, key: str) -> float | None:
-    vals = [r.get(key) for rec in records for r in rec["ranks"] if r.get("rank") == rank]
-    vals = [v for v in vals if isinstance(v, (int, float))]
-    return statistics.median(vals) if vals else None
-
-
 def _summary_rows(log: BalanceLog) -> list[list[str]]:
     recs = log.records
     last = recs[-1]
@@ -373,7 +406,9 @@ def _straggler_rows(records: list[dict]) -> list[list[str]]:
     return out
 
 
-def _rank_table(records: list[dict], groups: list[Group]) -> tuple[list[str], list[list[str]]]:
+def _rank_table(
+    records: list[dict], groups: list[Group], medians: dict[int, dict[str, float]]
+) -> tuple[list[str], list[list[str]]]:
     """Per row: the median over the run of each part; groups: min / median / max of compute."""
     last = {r["rank"]: r for r in records[-1]["ranks"]}
     if all(len(g.ranks) == 1 for g in groups):
@@ -397,8 +432,7 @@ def _rank_table(records: list[dict], groups: list[Group]) -> tuple[list[str], li
                     str(rank),
                     r.get("host") or "-",
                     ",".join(map(str, r["coords"])) if r.get("coords") else "-",
-                    *(_fmt(_median_over_run(records, rank, k), ".3f") for k in ("step_s", *PARTS)),
-                    _fmt(_median_over_run(records, rank, "cpu_s"), ".3f"),
+                    *(_fmt(medians[rank].get(k), ".3f") for k in ("step_s", *PARTS, "cpu_s")),
                     _fmt(r.get("device_util"), ".0%"),
                     "-" if not isinstance(mem, (int, float)) else f"{mem / 2**30:.2f} GiB",
                 ]
@@ -416,9 +450,9 @@ def _rank_table(records: list[dict], groups: list[Group]) -> tuple[list[str], li
     ]
     rows = []
     for g in groups:
-        per = {rank: _median_over_run(records, rank, "compute_s") or 0.0 for rank in g.ranks}
-        comm = [_median_over_run(records, rank, "comm_s") or 0.0 for rank in g.ranks]
-        step = [_median_over_run(records, rank, "step_s") or 0.0 for rank in g.ranks]
+        per = {rank: medians[rank].get("compute_s", 0.0) for rank in g.ranks}
+        comm = [medians[rank].get("comm_s", 0.0) for rank in g.ranks]
+        step = [medians[rank].get("step_s", 0.0) for rank in g.ranks]
         slow = max(per, key=per.get)
         rows.append(
             [
@@ -477,11 +511,12 @@ def render(run_dir: str) -> str:
     grouped = per != "rank"
     n_ranks = len(recs[-1]["ranks"])
     title = f"Run {os.path.basename(os.path.abspath(run_dir))}: {n_ranks} ranks"
+    medians = run_medians(recs)
     compute_rows = []
     for g in groups:
-        vals = [_median_over_run(recs, rank, "compute_s") or 0.0 for rank in g.ranks]
+        vals = [medians[rank].get("compute_s", 0.0) for rank in g.ranks]
         compute_rows.append((g.label, min(vals), statistics.median(vals), max(vals)))
-    header, table = _rank_table(recs, groups)
+    header, table = _rank_table(recs, groups, medians)
     stragglers = _straggler_rows(recs)
     body = [
         f"<h1>{_esc(title)}</h1>",
