@@ -152,3 +152,14 @@ def test_one_process_traces_only_the_range_and_reports_it(tmp_path, capsys):
     saved = json.loads((tmp_path / "traces" / "breakdown.json").read_text())
     assert saved == {"steps": [2, 3], "ranks": rows}
     assert "traces of steps 2-3" in capsys.readouterr().out
+
+
+def test_a_launch_that_ran_no_step_of_the_range_says_so(tmp_path, capsys):
+    """A resume that starts past B traces nothing: one line, no breakdown.json, no error."""
+    traces = StepTraces((2, 3), str(tmp_path))
+    for step in (7, 8):
+        with traces.step(step):
+            pass
+    assert traces.report() == []
+    assert "none recorded (no step of the range ran in this launch)" in capsys.readouterr().out
+    assert not (tmp_path / "traces").exists()

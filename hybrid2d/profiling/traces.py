@@ -27,6 +27,7 @@ import json
 import os
 import re
 import statistics
+import sys
 
 import torch
 import torch.distributed as dist
@@ -85,19 +86,33 @@ class StepTraces:
         self.close()
         mine = None
         if self.traced:
-            with open(self.path) as f:
-                mine = {"rank": self.rank} | breakdown(json.load(f))
+            try:  # a trace this rank cannot read back must not leave the others waiting
+                with open(self.path) as f:
+                    mine = {"rank": self.rank} | breakdown(json.load(f))
+            except (OSError, ValueError) as e:
+                print(f"rank {self.rank}: trace {self.path} not read: {e}", file=sys.stderr)
         rows = [mine]
         if dist.is_initialized():
             rows = [None] * dist.get_world_size() if self.rank == 0 else None
             dist.gather_object(mine, rows, dst=0)
         if self.rank != 0:
             return None
+        missing = [rank for rank, r in enumerate(rows) if r is None]
         rows = [r for r in rows if r is not None]
-        with open(os.path.join(self.dir, "breakdown.json"), "w") as f:
-            json.dump({"steps": list(self.steps), "ranks": rows}, f, indent=1)
-        print(format_table(rows, self.steps, self.dir), flush=True)
+        if rows:
+            with open(os.path.join(self.dir, "breakdown.json"), "w") as f:
+                json.dump({"steps": list(self.steps), "ranks": rows}, f, indent=1)
+        table = format_table(rows, self.steps, self.dir)
+        if rows and missing:
+            table += f"\n  no figures from rank(s) {_ranks_text(missing)} (see their stderr)"
+        print(table, flush=True)
         return rows
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (
+        f" and {len(ranks) - 8} more" if len(ranks) > 8 else ""
+    )
 
 
 # ---- reading a trace ---------------------------------------------------------------------------
