@@ -13,7 +13,10 @@ Settings of the recipe change as in training (--train.micro_batch 2, --train.seq
 rank 0 of each mesh on this machine over a fake process group (hybrid2d/simulate.py);
 when the recipe's micro batch would not fit in this machine's memory it simulates the largest
 micro batch that does and says so. --run-dir reads the per-rank figures a run made with
---profile.memory and puts them next to the estimate. The report is printed; a Markdown and an
+--profile.memory and puts them next to the estimate. --device-memory says which meshes fit and,
+for one that does not, the largest micro batch that would or, where none would, the planner's
+fewest GPUs on which a mesh fits (whole nodes of 8); the HTML charts draw the usable memory
+(device memory less --headroom). The report is printed; a Markdown and an
 HTML copy (memory_report.md, memory_report.html) are written to --out, or with --run-dir to the
 run's memory/ folder, over the report the run wrote there; without either no file is written.
 """
