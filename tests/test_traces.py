@@ -78,6 +78,7 @@ def test_device_trace_uses_kernels_and_nccl_streams():
     events = [
         _x(f"{STEP_MARK}4", 0, 100, "user_annotation"),
         _x("aten::mm", 0, 100),  # the host launching: not compute on a device trace
+        _x("c10d::_allgather_base_", 0, 5),  # nor communication: it queues the nccl kernel
         _x("sm80_xmma_gemm", 10, 50, "kernel", tid=7, pid=0),
         _x("ncclDevKernel_AllGather_RING_LL", 40, 40, "kernel", tid=13, pid=0),
         _x("elementwise_kernel", 70, 20, "kernel", tid=7, pid=0),

@@ -14,9 +14,9 @@ figures on rank 0 (one small collective: files may be on node-local disks), writ
 How a trace is read (`breakdown`): inside the marked steps, communication is every interval a
 collective runs (by name: nccl / gloo / c10d ops, functional collectives and their waits), on
 any thread or stream; compute is what runs on the compute lanes outside the collectives nested
-in it. With device events (CUDA kernels) the lanes are the device's streams; on the CPU they are
-the thread that runs the steps, so compute is its torch ops and idle is Python, the loader and
-anything else between ops. Overlap is communication that runs while compute runs (FSDP's
+in it. With device events (CUDA kernels) only they count and the lanes are the device's
+streams (the host's ops only queue them); on the CPU the lane is the thread that runs the
+steps, so compute is its torch ops and idle is Python, the loader and anything else between ops. Overlap is communication that runs while compute runs (FSDP's
 prefetches on gloo's worker threads or nccl streams). compute + comm - overlap + idle = wall.
 """
 
@@ -191,8 +191,10 @@ def breakdown(trace: dict) -> dict:
             collective and cat == "user_annotation"
         ):
             continue
+        if on_device and cat not in DEVICE_CATEGORIES:
+            continue  # the host only queues the device's work (its c10d ops launch kernels)
         lane = (e["pid"], e["tid"])
-        on_lane = cat in DEVICE_CATEGORIES if on_device else lane == main
+        on_lane = on_device or lane == main
         if collective:
             comm.append(span(e))
             by_name.setdefault(e["name"], []).append(span(e))
