@@ -468,6 +468,11 @@ def test_trainer_profile_memory_and_traces_write_json_tensorboard_and_reports(tm
     tags = set(acc.Tags()["scalars"])
     assert {"memory/activations_gib", "memory/tensors_peak_gib", "memory/rss_gib"} <= tags
     logged = [e.value for e in acc.Scalars("memory/tensors_peak_gib")]
+    # The trace's steps 2-3 hold rank 0's train_step of those steps (as the trainer timed them)
+    step_s = {e.step: e.value for e in acc.Scalars("perf/step_time_s")}
+    traced = json.loads((run_dir / "traces" / "breakdown.json").read_text())["ranks"][0]
+    assert traced["wall_s"] >= 0.99 * (step_s[2] + step_s[3])
+    assert traced["wall_s"] <= 2 * (step_s[2] + step_s[3]) + 1.0  # + the loader's batches
     assert logged == pytest.approx([s["peak"] / 2**30 for s in ranks[0]["steps"]], rel=1e-6)
     page = (run_dir / "memory" / "memory_report.html").read_text()
     ET.fromstring(page.split("\n", 1)[1])
