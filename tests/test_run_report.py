@@ -207,3 +207,25 @@ def test_many_logged_steps_are_binned_into_columns(tmp_path):
     vmax = max(sum(x[p] for p in PARTS) for r in records for x in r["ranks"])
     base = points[-1][1]
     assert base - points[0][1] == pytest.approx(34 * (sum(heights) / 3) / vmax, abs=0.06)
+
+
+@pytest.mark.parametrize("world", [8, 256])
+def test_traced_steps_are_on_the_page(tmp_path, world):
+    """With traces/breakdown.json (--profile.trace_steps): a row per rank up to 16 ranks, else
+    min / median / max over the ranks."""
+    run = write_run(tmp_path / "run", balance_records((1, world // 2, 2), 8, None, steps=[1, 2]))
+    ranks = [
+        {"rank": r, "steps": [3, 4], "wall_s": 2.0, "compute_s": 1.0 + r / 1000, "comm_s": 0.8,
+         "overlap_s": 0.2, "idle_s": 0.4 - r / 1000, "lanes": "device streams", "collectives": {}}
+        for r in range(world)
+    ]  # fmt: skip
+    (run / "traces").mkdir()
+    (run / "traces" / "breakdown.json").write_text(json.dumps({"steps": [3, 4], "ranks": ranks}))
+    page = report(run)
+    table = page.split("<h2>Traces of steps 3-4 (torch.profiler)</h2>", 1)[1].split("</table>")[0]
+    cells = re.findall(r"<tr><td>([^<]+)</td><td>[^<]+</td><td>([^<]+)</td>", table)
+    if world == 8:
+        assert cells == [(str(r), f"{1.0 + r / 1000:.3f}") for r in range(8)]
+    else:
+        middle = f"{(1.127 + 1.128) / 2:.3f}"  # ranks 127 and 128 of 256
+        assert cells == [("min", "1.000"), ("median", middle), ("max", "1.255")]
