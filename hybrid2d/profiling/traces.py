@@ -16,8 +16,9 @@ collective runs (by name: nccl / gloo / c10d ops, functional collectives and the
 any thread or stream; compute is what runs on the compute lanes outside the collectives nested
 in it. With device events (CUDA kernels) only they count and the lanes are the device's
 streams (the host's ops only queue them); on the CPU the lane is the thread that runs the
-steps, so compute is its torch ops and idle is Python, the loader and anything else between ops. Overlap is communication that runs while compute runs (FSDP's
-prefetches on gloo's worker threads or nccl streams). compute + comm - overlap + idle = wall.
+steps, so compute is its torch ops and idle is Python, the loader and anything else between
+ops. Overlap is communication that runs while compute runs (FSDP's prefetches on gloo's worker
+threads or nccl streams). compute + comm - overlap + idle = wall.
 """
 
 from __future__ import annotations
