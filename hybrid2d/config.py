@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import functools
 import math
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
@@ -317,13 +318,30 @@ class CheckpointConfig:
 
 @dataclass
 class ProfileConfig:
-    """Memory profiling."""
+    """Memory profiling and torch.profiler traces."""
 
     # Per step and rank memory by category (parameters, gradients, optimizer, activations,
     # communication); memory/* in TensorBoard and a report at the end.
     memory: bool = False
     # CUDA: dump the allocator's snapshot for https://pytorch.org/memory_viz.
     snapshot: bool = False
+    # Steps A-B (e.g. 3-4) traced with torch.profiler on every rank: RUN/traces/rank*.json for
+    # Perfetto / TensorBoard and a per-rank table (compute, communication, overlap, idle) at the
+    # end; "": no traces.
+    trace_steps: str = ""
+
+    def trace_range(self) -> tuple[int, int] | None:
+        """(A, B) of trace_steps, checked: one line saying what is wrong; None when off."""
+        text = self.trace_steps.strip()
+        if not text:
+            return None
+        steps = re.fullmatch(r"([0-9]+) *- *([0-9]+)", text)
+        if steps and 1 <= int(steps[1]) <= int(steps[2]):
+            return int(steps[1]), int(steps[2])
+        raise ConfigError(
+            f"profile.trace_steps={self.trace_steps!r} is not a step range A-B with "
+            '1 <= A <= B; use e.g. 3-4 (steps 3 and 4), 5-5 (step 5 alone) or "" (no traces)'
+        )
 
 
 # The linear layers of a block an adapter may target (HF's names); `all-linear` means all of
@@ -450,6 +468,12 @@ class JobConfig:
             raise ConfigError(
                 f"lora.init_from={self.lora.init_from!r} needs adapters: set lora.rank to the "
                 "adapter's rank (its adapter_config.json's r)"
+            )
+        traced = self.profile.trace_range()
+        if traced and traced[1] > self.train.steps:
+            raise ConfigError(
+                f"profile.trace_steps={self.profile.trace_steps!r} ends after the last step "
+                f"(train.steps={self.train.steps}); trace steps up to {self.train.steps}"
             )
         if "S" in m.layer_types and not m.sliding_window:
             raise ConfigError(

@@ -44,6 +44,7 @@ from hybrid2d.parallel.loss import cross_entropy, loss_tokens
 from hybrid2d.planner.launch import check_planned_memory, describe_plan, planned, planner_profile
 from hybrid2d.preemption import Preemption
 from hybrid2d.profiling.profiler import MemoryProfiler
+from hybrid2d.profiling.traces import StepTraces
 from hybrid2d.resolve import resolve_layout
 from hybrid2d.run_dir import create_run_dir, release_locks, write_run_config
 
@@ -326,20 +327,23 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
     writer = MetricsWriter(run_dir if main else None, cfg.metrics.tensorboard)
     # --profile.memory / --profile.snapshot
     memory = MemoryProfiler(cfg, mesh, trainer.model, trainer.optimizer, run_dir)
+    traces = StepTraces(cfg.profile.trace_range(), run_dir)  # --profile.trace_steps
     # SIGTERM/SIGUSR1: save at this step and stop; a rank that does not get there within
     # timeout_s of its signal (hung) exits with one line instead.
     preemption = Preemption(mesh.device, cfg.parallel.timeout_s, lambda: trainer.step)
     progress = RunProgress(cfg, mesh, writer)
     wall_start = time.perf_counter()
     try:
-        stopped = _steps(cfg, trainer, data, ckpt, memory, preemption, progress)
+        stopped = _steps(cfg, trainer, data, ckpt, memory, traces, preemption, progress)
     finally:
         preemption.close()
         ckpt.close()  # waits for an async save still being written
         memory.close()
+        traces.close()
         progress.close()
     wall = time.perf_counter() - wall_start
     memory.write_report()
+    traces.report()
     summary = run_summary(
         progress,
         mesh,
@@ -364,12 +368,12 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
     return summary
 
 
-def _steps(cfg, trainer, data, ckpt, memory, preemption, progress) -> NonFiniteError | None:
+def _steps(cfg, trainer, data, ckpt, memory, traces, preemption, progress) -> NonFiniteError | None:
     """Train until train.steps, checkpoint.stop_after or a signal (saved first). A non-finite
     step (every rank raises it together) is returned, to be raised after the summary."""
     while trainer.step < cfg.train.steps:
         try:
-            with memory.step(trainer.step + 1):
+            with memory.step(trainer.step + 1), traces.step(trainer.step + 1):
                 result = trainer.train_step(data.loader.next_batch())
         except NonFiniteError as e:
             return e

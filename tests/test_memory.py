@@ -26,6 +26,7 @@ from hybrid2d.profiling.report import Entry, Report, html_page, write
 from hybrid2d.simulate import run_subprocess
 from hybrid2d.sizes import parse_size
 from tests.launch import REPO, check_ok, run_ranks
+from tests.test_traces import check_run_traces
 
 MESHES = [(4, 1), (2, 2), (1, 4)]
 
@@ -434,19 +435,23 @@ def test_memory_report_simulates_a_mesh_larger_than_this_machine(tmp_path):
 
 
 @pytest.mark.slow
-def test_trainer_profile_memory_writes_json_tensorboard_and_report(tmp_path):
+def test_trainer_profile_memory_and_traces_write_json_tensorboard_and_reports(tmp_path):
     run_dir = tmp_path / "run"
     args = [
         "recipes/llama.py",
         "--parallel.tp", "2",
         "--train.steps", "3",
         "--profile.memory", "true",
+        "--profile.trace_steps", "2-3",
         "--metrics.run_dir", str(run_dir),
         "--metrics.progress_bar", "false",
         "--data.cache_dir", str(tmp_path / "cache"),
         "--data.max_chars", "300000",
     ]  # fmt: skip
-    check_ok(run_ranks(2, args, timeout=600))
+    results = run_ranks(2, args, timeout=600)
+    check_ok(results)
+    # The same launch traces steps 2-3 (--profile.trace_steps): tests/test_traces.py's checks.
+    check_run_traces(run_dir, (2, 3), 2, results[0].stdout)
     ranks = [json.loads((run_dir / "memory" / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [len(r["steps"]) for r in ranks] == [3, 3]
     last = ranks[0]["steps"][-1]
@@ -463,6 +468,11 @@ def test_trainer_profile_memory_writes_json_tensorboard_and_report(tmp_path):
     tags = set(acc.Tags()["scalars"])
     assert {"memory/activations_gib", "memory/tensors_peak_gib", "memory/rss_gib"} <= tags
     logged = [e.value for e in acc.Scalars("memory/tensors_peak_gib")]
+    # The trace's steps 2-3 hold rank 0's train_step of those steps (as the trainer timed them)
+    step_s = {e.step: e.value for e in acc.Scalars("perf/step_time_s")}
+    traced = json.loads((run_dir / "traces" / "breakdown.json").read_text())["ranks"][0]
+    assert traced["wall_s"] >= 0.99 * (step_s[2] + step_s[3])
+    assert traced["wall_s"] <= 2 * (step_s[2] + step_s[3]) + 1.0  # + the loader's batches
     assert logged == pytest.approx([s["peak"] / 2**30 for s in ranks[0]["steps"]], rel=1e-6)
     page = (run_dir / "memory" / "memory_report.html").read_text()
     ET.fromstring(page.split("\n", 1)[1])

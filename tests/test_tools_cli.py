@@ -21,6 +21,7 @@ TOOLS = [
     "convert_dcp_to_hf",
     "export_checkpoint",
     "plan",
+    "run_report",
 ]
 
 
@@ -58,6 +59,7 @@ BAD = {
     "convert_dcp_to_hf": (["src", "dst", "--bogus"], "unrecognized arguments: --bogus"),
     "export_checkpoint": (["ckpt"], "the following arguments are required: out"),
     "plan": (["--nodes", "x"], "argument --nodes: invalid int value: 'x'"),
+    "run_report": (["--out", "x.html"], "the following arguments are required: --run-dir"),
 }
 
 

@@ -13,7 +13,10 @@ Settings of the recipe change as in training (--train.micro_batch 2, --train.seq
 rank 0 of each mesh on this machine over a fake process group (hybrid2d/simulate.py);
 when the recipe's micro batch would not fit in this machine's memory it simulates the largest
 micro batch that does and says so. --run-dir reads the per-rank figures a run made with
---profile.memory and puts them next to the estimate. The report is printed; a Markdown and an
+--profile.memory and puts them next to the estimate. --device-memory says which meshes fit and,
+for one that does not, the largest micro batch that would or, where none would, the planner's
+fewest GPUs on which a mesh fits (whole nodes of 8); the HTML charts draw the usable memory
+(device memory less --headroom). The report is printed; a Markdown and an
 HTML copy (memory_report.md, memory_report.html) are written to --out, or with --run-dir to the
 run's memory/ folder, over the report the run wrote there; without either no file is written.
 """
@@ -34,8 +37,10 @@ from hybrid2d.cli import OneLineParser, apply_overrides, positive_size
 from hybrid2d.config import JobConfig
 from hybrid2d.errors import ConfigError
 from hybrid2d.layout import MESH_DIMS, RunLayout
+from hybrid2d.planner import hardware as hwlib
 from hybrid2d.planner.launch import packed_documents
 from hybrid2d.planner.memory import estimate, estimates_per_rank
+from hybrid2d.planner.search import Plan, fewest_gpus, mesh_label
 from hybrid2d.profiling.profiler import load_measured, summary_rows
 from hybrid2d.profiling.report import CATEGORIES, LABELS, Entry, Report, fmt_bytes, write
 from hybrid2d.simulate import run_subprocess
@@ -233,12 +238,17 @@ def run(args, rest: list[str]) -> int:
 
     if device_memory is not None:
         limit = int(device_memory * (1 - args.headroom))
+        found: dict[int, Plan | None] = {}  # the planner's answer per GPU count, asked once
         print(f"fits in {fmt_bytes(device_memory)} per device (keeping {args.headroom:.0%}):")
         for e, mesh in entries:
             line = f"  {e.mesh:36s} {fmt_bytes(e.best()['peak']):>12s}  "
             line += "yes" if e.fits() else "NO "
             if not e.fits() and e.simulated is None:
                 e.remedy = micro_batch_advice(cfg, mesh, target, limit, documents)
+                if e.remedy == NO_MICRO_BATCH:
+                    e.remedy += "; " + fewest_gpus_advice(
+                        cfg, mesh, target, device_memory, args.headroom, found
+                    )
                 line += "  " + e.remedy
             print(line)
         print()
@@ -275,7 +285,43 @@ def micro_batch_advice(
             f"with --parallel.activation_checkpoint full: --train.micro_batch "
             f"{ac_full[0].micro_batch} ({fmt_bytes(ac_full[1])})"
         )
-    return "; ".join(parts) or "does not fit at micro batch 1, even with activation checkpointing"
+    return "; ".join(parts) or NO_MICRO_BATCH
+
+
+NO_MICRO_BATCH = "does not fit at micro batch 1, even with activation checkpointing"
+
+
+def fewest_gpus_advice(
+    cfg: JobConfig,
+    mesh: RunLayout,
+    target: str,
+    device_memory: int,
+    headroom: float,
+    found: dict[int, Plan | None],
+) -> str:
+    """The planner's way out for a mesh on which nothing fits: another mesh of as many GPUs,
+    or the fewest GPUs on which some mesh does (planner.search.fewest_gpus). The candidates
+    of that count are ranked by the h100 preset's speeds (only memory decides what fits),
+    with `--device-memory` as each GPU's memory and 8 GPUs per node."""
+    if mesh.world not in found:
+        hw = dataclasses.replace(hwlib.get("h100"), memory_bytes=device_memory, target=target)
+        found[mesh.world] = fewest_gpus(cfg, hw, headroom, above=mesh.world - 1)
+    result = found[mesh.world]
+    if result is None:
+        return "no mesh fits even on 4,096 GPUs"
+    best, per_node = result.best, result.gpus_per_node
+    nodes = result.world // per_node
+    where = (
+        f"on these {mesh.world} GPUs"
+        if result.world == mesh.world
+        else f"fewest GPUs that fit: {result.world}"
+        + (f" ({nodes} nodes of {per_node})" if result.world % per_node == 0 else "")
+    )
+    return (
+        f"{where}, as mesh {mesh_label(best)} (dp_replicate x dp_shard x tp) with "
+        f"{best.activation_checkpoint} activation checkpointing and micro batch "
+        f"{best.micro_batch}: {best.peak_gib:.1f} GiB per rank (tools/plan.py lists every plan)"
+    )
 
 
 if __name__ == "__main__":

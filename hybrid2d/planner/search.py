@@ -146,6 +146,32 @@ def best_plan(
     )
 
 
+def fewest_gpus(
+    cfg: JobConfig,
+    hardware: Hardware,
+    headroom: float = DEFAULT_HEADROOM,
+    model: ModelConfig | None = None,
+    above: int = 0,
+    max_nodes: int = 512,
+) -> Plan | None:
+    """The plan on the fewest GPUs, more than `above`, on which some candidate fits: the way
+    out for a job that fits no mesh of its GPU count. GPU counts tried, smallest first: 1, 2,
+    4... below one node, then 1 to 16 whole nodes, then 32, 64, ... up to `max_nodes` nodes
+    (a job that needs more than 16 nodes is told a power of two). None when none fits."""
+    per_node = hardware.gpus_per_node
+    small = [w for w in (1, 2, 4, 8, 16, 32) if w < per_node]
+    nodes = list(range(1, 17)) + [
+        2**k for k in range(5, max_nodes.bit_length()) if 2**k <= max_nodes
+    ]
+    for world in small + [per_node * n for n in nodes]:
+        if world <= above:
+            continue
+        result = plan(cfg, world, per_node, hardware, headroom, model=model)
+        if result.best is not None:
+            return result
+    return None
+
+
 # ---- output ----------------------------------------------------------------------------------
 
 

@@ -76,10 +76,14 @@ class Entry:
         """The figures a verdict uses: the simulation, else the estimate, else the measurement."""
         return self.values("simulated") or self.values("estimated") or self.values("measured")
 
+    def usable(self) -> float | None:
+        """Bytes of the device a rank may use (its memory less the headroom), when given."""
+        return None if self.device_memory is None else self.device_memory * (1 - self.headroom)
+
     def fits(self) -> bool | None:
         if self.device_memory is None:
             return None
-        return self.best()["peak"] <= self.device_memory * (1 - self.headroom)
+        return self.best()["peak"] <= self.usable()
 
     def notes(self) -> list[str]:
         """What the estimate and the simulation say besides the figures, one line each."""
@@ -129,7 +133,7 @@ def _blocks(rep: Report) -> list[tuple]:
             ("h2", f"Which meshes fit in {fmt_bytes(fit[0].device_memory)} per device"),
             ("p", f"keeping {fit[0].headroom:.0%} for the allocator and the runtime"),
             ("table", ["mesh", "total per rank", "fits", "what would fit"], rows, "fit"),
-            ("chart", svg_grouped_bars("total per rank by mesh", totals)),
+            ("chart", svg_grouped_bars("total per rank by mesh", totals, _limit(fit[0]))),
         ]
     for e in rep.entries:
         vals = {s: e.values(s) for s in e.sources()}
@@ -142,7 +146,12 @@ def _blocks(rep: Report) -> list[tuple]:
         out += [
             ("h2", f"Mesh {e.mesh}"),
             ("table", ["category (rank 0)", *vals], rows, "categories"),
-            ("chart", svg_grouped_bars(f"mesh {e.mesh}, rank 0: bytes by category", by_category)),
+            (
+                "chart",
+                svg_grouped_bars(
+                    f"mesh {e.mesh}, rank 0: bytes by category", by_category, _limit(e)
+                ),
+            ),
         ]
         out += [("chart", c) for c in [_per_rank_chart(e)] if c]
         if e.measured:
@@ -205,10 +214,31 @@ def _legend(items: list[tuple[str, str]], x: int, y: int) -> tuple[list[str], in
     return parts, x
 
 
-def svg_grouped_bars(title: str, groups: list[tuple[str, list[tuple[str, float]]]]) -> str:
-    """Horizontal bars: one group per label, one bar per (series, value)."""
+def _limit(e: Entry) -> tuple[str, float] | None:
+    """The line the bar charts draw at the device's usable memory, when it is known."""
+    if e.usable() is None:
+        return None
+    return f"usable: {fmt_bytes(e.usable())} of {fmt_bytes(e.device_memory)}", e.usable()
+
+
+def _limit_line(limit, x1, y1, x2, y2) -> list[str]:
+    label, value = limit
+    return [
+        f'<line x1="{x1:.1f}" y1="{y1:.1f}" x2="{x2:.1f}" y2="{y2:.1f}" stroke="#b00" '
+        f'stroke-width="2" stroke-dasharray="6,3" class="usable"><title>{_esc(label)}</title>'
+        "</line>"
+    ]
+
+
+def svg_grouped_bars(
+    title: str,
+    groups: list[tuple[str, list[tuple[str, float]]]],
+    limit: tuple[str, float] | None = None,
+) -> str:
+    """Horizontal bars: one group per label, one bar per (series, value); `limit` (label,
+    bytes) draws a dashed line across the groups at that value (the usable device memory)."""
     bar, gap, left, width = 14, 10, 170, 460
-    vmax = max((v for _, bars in groups for _, v in bars), default=1) or 1
+    vmax = max([v for _, bars in groups for _, v in bars] + [limit[1] if limit else 0]) or 1
     rows = sum(len(b) for _, b in groups)
     height = 40 + rows * bar + len(groups) * gap + 30
     series = list(dict.fromkeys(s for _, bars in groups for s, _ in bars))
@@ -230,18 +260,30 @@ def svg_grouped_bars(title: str, groups: list[tuple[str, list[tuple[str, float]]
             ]
             y += bar
         y += gap
-    parts += _legend([(s, COLORS.get(s, "#888")) for s in series], left, height - 9)[0]
-    return _svg(title, left + width + 120, height, parts)
+    legend, x = _legend([(s, COLORS.get(s, "#888")) for s in series], left, height - 9)
+    parts += legend
+    if limit:
+        lx = left + width * limit[1] / vmax
+        parts += _limit_line(limit, lx, 24, lx, y - gap + 2)
+        parts += _limit_line(limit, x, height - 13, x + 16, height - 13)
+        parts.append(f'<text x="{x + 20}" y="{height - 9}">{_esc(limit[0])}</text>')
+        x += 30 + 7 * len(limit[0])
+    return _svg(title, max(left + width + 120, x), height, parts)
 
 
 def svg_stacked_bars(
-    title: str, bars: list[tuple[str, dict[str, float]]], marks: dict[str, float] | None = None
+    title: str,
+    bars: list[tuple[str, dict[str, float]]],
+    marks: dict[str, float] | None = None,
+    limit: tuple[str, float] | None = None,
 ) -> str:
-    """Vertical stacked bars (one per rank) by category; `marks` draws a tick per bar label."""
+    """Vertical stacked bars (one per rank) by category; `marks` draws a tick per bar label,
+    `limit` (label, bytes) a dashed line across the bars (the usable device memory)."""
     n = max(1, len(bars))
     bw = max(6, min(40, 560 // n))
-    left, top, plot_h = 60, 30, 220
-    vmax = max([sum(v.values()) for _, v in bars] + list((marks or {}).values()) + [1])
+    left, top, plot_h = 80, 30, 220
+    extra = [limit[1]] if limit else []
+    vmax = max([sum(v.values()) for _, v in bars] + list((marks or {}).values()) + extra + [1])
     width = left + n * (bw + 4) + 20
     height = top + plot_h + 60
     parts = [
@@ -276,14 +318,20 @@ def svg_stacked_bars(
             )
     legend, x = _legend([(LABELS[c], COLORS[c]) for c in STACKED], left, height - 13)
     parts += legend
-    svg_width = max(width, x + (140 if marks else 0))
     if marks:
         parts += [
             f'<line x1="{x}" y1="{height - 17}" x2="{x + 12}" y2="{height - 17}" '
             f'stroke="{COLORS["estimated"]}" stroke-width="3"/>',
             f'<text x="{x + 16}" y="{height - 13}">estimated peak</text>',
         ]
-    return _svg(title, svg_width, height, parts)
+        x += 130
+    if limit:
+        ly = top + plot_h - plot_h * limit[1] / vmax
+        parts += _limit_line(limit, left, ly, width - 10, ly)
+        parts += _limit_line(limit, x, height - 17, x + 16, height - 17)
+        parts.append(f'<text x="{x + 20}" y="{height - 13}">{_esc(limit[0])}</text>')
+        x += 30 + 7 * len(limit[0])
+    return _svg(title, max(width, x + 10), height, parts)
 
 
 def _per_rank_chart(e: Entry) -> str | None:
@@ -299,7 +347,8 @@ def _per_rank_chart(e: Entry) -> str | None:
         return None
     marks = {str(est["rank"]): est["peak"] for est in e.estimate_per_rank}
     bars, marks = group_identical_ranks(bars, marks)
-    return svg_stacked_bars(f"mesh {e.mesh}: {src} peak per rank, by category", bars, marks or None)
+    title = f"mesh {e.mesh}: {src} peak per rank, by category"
+    return svg_stacked_bars(title, bars, marks or None, _limit(e))
 
 
 _CSS = """
@@ -310,6 +359,7 @@ th:first-child, td:first-child { text-align: left; }
 svg.chart { display: block; margin: 8px 0 16px; font-size: 11px; }
 svg.chart .ct { font-size: 13px; font-weight: bold; }
 .no { color: #b00; font-weight: bold; } .yes { color: #070; font-weight: bold; }
+table.fit td:last-child, table.fit th:last-child { text-align: left; max-width: 560px; }
 """
 
 
