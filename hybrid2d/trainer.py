@@ -34,7 +34,9 @@ from hybrid2d.mesh import (
     shutdown_distributed,
 )
 from hybrid2d.metrics import MetricsWriter
+from hybrid2d.metrics.balance import BalanceMonitor
 from hybrid2d.metrics.progress import RunProgress, start_line
+from hybrid2d.metrics.step_clock import StepClock
 from hybrid2d.metrics.summary import run_summary, write_summary
 from hybrid2d.models.llama import Llama
 from hybrid2d.optim import build_optimizer, build_scheduler, clip_grad_norm, follow_settings
@@ -110,6 +112,8 @@ class Trainer:
     def __init__(self, cfg: JobConfig, mesh: Mesh, resuming: bool = False):
         self.cfg = cfg
         self.mesh = mesh
+        # The step's breakdown (metrics.balance); the loop begins and ends each step on it.
+        self.clock = StepClock(mesh.device, cfg.metrics.balance)
         self.model = build_model(cfg, mesh, resuming)
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
@@ -178,24 +182,31 @@ class Trainer:
         self.model.train()
         device = self.mesh.device
         n = len(micro_batches)
+        phase = self.clock.phase
         # All of the step's batches go to the device here, where the GPU is idle anyway: a
         # blocking copy between micro batches would wait for the queued backward and take
         # away the host's run-ahead once per micro batch.
-        micro_batches = [Batch.of(b).to(device) for b in micro_batches]
-        total_tokens, real_tokens = self.global_counts(micro_batches)
+        with phase("data"):
+            micro_batches = [Batch.of(b).to(device) for b in micro_batches]
+        with phase("comm"):
+            total_tokens, real_tokens = self.global_counts(micro_batches)
         divide_by = float(max(total_tokens, 1))
         loss_sum = torch.zeros((), device=device)
         defer = self.cfg.parallel.defer_grad_sync and n > 1
-        for i, b in enumerate(micro_batches):
-            if defer:
-                last = i == n - 1
-                self.model.set_requires_gradient_sync(last)
-                self.model.set_requires_all_reduce(last)  # HSDP's all-reduce across replicas
-            scale = float(self.mesh.dp)
-            loss_sum += self.forward_backward(b.inputs, b.labels, scale, divide_by, b.documents)
-        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip).item()
-        # Every rank sees the same global loss and norm, so all take the same branch.
-        loss = self.dp_sum(loss_sum)
+        with phase("compute"):
+            for i, b in enumerate(micro_batches):
+                if defer:
+                    last = i == n - 1
+                    self.model.set_requires_gradient_sync(last)
+                    self.model.set_requires_all_reduce(last)  # HSDP's all-reduce over replicas
+                scale = float(self.mesh.dp)
+                loss_sum += self.forward_backward(b.inputs, b.labels, scale, divide_by, b.documents)
+        # The grad-norm reduction (its local norms and the clipping multiply count with it) and
+        # the loss's: where every rank waits for the slowest one's backward.
+        with phase("comm"):
+            grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip).item()
+            # Every rank sees the same global loss and norm, so all take the same branch.
+            loss = self.dp_sum(loss_sum)
         lr = self.optimizer.param_groups[0]["lr"]
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if not finite and self.cfg.train.on_nonfinite == "stop":
@@ -205,12 +216,13 @@ class Trainer:
                 "train.on_nonfinite=skip skips such steps instead"
             )
         self.step += 1
-        if finite:
-            self.optimizer.step()
-        else:
-            self.skipped_steps.append(self.step)
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with phase("optimizer"):
+            if finite:
+                self.optimizer.step()
+            else:
+                self.skipped_steps.append(self.step)
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
@@ -321,9 +333,10 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
     # timeout_s of its signal (hung) exits with one line instead.
     preemption = Preemption(mesh.device, cfg.parallel.timeout_s, lambda: trainer.step)
     progress = RunProgress(cfg, mesh, writer)
+    balance = BalanceMonitor(cfg, mesh, trainer.clock, writer, run_dir)
     wall_start = time.perf_counter()
     try:
-        stopped = _steps(cfg, trainer, data, ckpt, memory, preemption, progress)
+        stopped = _steps(cfg, trainer, data, ckpt, memory, preemption, progress, balance)
     finally:
         preemption.close()
         ckpt.close()  # waits for an async save still being written
@@ -347,6 +360,7 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
         tensor_peak=memory.tensor_peak(),
         stopped=stopped,
         skipped_steps=trainer.skipped_steps,
+        balance=balance.summary(),
     )
     if main:
         write_summary(run_dir, summary)
@@ -355,13 +369,19 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
     return summary
 
 
-def _steps(cfg, trainer, data, ckpt, memory, preemption, progress) -> NonFiniteError | None:
+def _steps(
+    cfg, trainer, data, ckpt, memory, preemption, progress, balance
+) -> NonFiniteError | None:
     """Train until train.steps, checkpoint.stop_after or a signal (saved first). A non-finite
     step (every rank raises it together) is returned, to be raised after the summary."""
+    clock = trainer.clock
     while trainer.step < cfg.train.steps:
+        clock.begin_step()
         try:
+            with clock.phase("data"):
+                batch = data.loader.next_batch()
             with memory.step(trainer.step + 1):
-                result = trainer.train_step(data.loader.next_batch())
+                result = trainer.train_step(batch)
         except NonFiniteError as e:
             return e
         progress.step(result, memory.scalars())
@@ -371,7 +391,10 @@ def _steps(cfg, trainer, data, ckpt, memory, preemption, progress) -> NonFiniteE
             progress.validation(result.step, *trainer.evaluate(data.val, preemption.progress))
         progress.show(result)
         preemption.progress()  # a save may follow: timeout_s for it, not since the signal
-        ckpt.maybe_save(trainer.step)
+        with clock.phase("checkpoint"):
+            ckpt.maybe_save(trainer.step)
+        clock.end_step()
+        balance.after_step(trainer.step)  # on logged steps: gathered, rank 0 writes
         if trainer.step == cfg.checkpoint.stop_after:
             break
         if preemption.requested():
