@@ -28,6 +28,9 @@ from hybrid2d.metrics.writer import MetricsWriter
 
 DIMS = ("dp_replicate", "dp_shard", "tp")
 FILE = "balance.jsonl"
+# Per-rank TensorBoard scalars up to this many ranks; beyond, the aggregate figures only (six
+# scalars per rank on every log would make rank 0, which the others wait for, the slow one).
+PER_RANK_SCALARS = 64
 # The floats each rank contributes, in this order; -1 stands for null (no such figure).
 _FIELDS = (
     "step_s",
@@ -223,7 +226,7 @@ class BalanceMonitor:
         }
         for d in DIMS:
             values[f"balance/{d}_max_over_median"] = figures["per_dim"][d]["max_over_median"]
-        for r in ranks:
+        for r in ranks if len(ranks) <= PER_RANK_SCALARS else ():
             for key in ("step_s", "compute_s", "comm_s", "data_s", "cpu_s", "device_util"):
                 if r[key] is not None:
                     values[f"ranks/{key}/{r['rank']}"] = r[key]
