@@ -36,7 +36,7 @@ from hybrid2d.mesh import (
 from hybrid2d.metrics import MetricsWriter
 from hybrid2d.metrics.balance import BalanceMonitor
 from hybrid2d.metrics.progress import RunProgress, start_line
-from hybrid2d.metrics.step_clock import StepClock
+from hybrid2d.metrics.step_clock import StepClock, injected_delay
 from hybrid2d.metrics.summary import run_summary, write_summary
 from hybrid2d.models.llama import Llama
 from hybrid2d.optim import build_optimizer, build_scheduler, clip_grad_norm, follow_settings
@@ -266,7 +266,8 @@ def run(cfg: JobConfig, set_on_cli: frozenset[str] | set[str] = frozenset()) -> 
     """Resolve the layout, start the process group, train, summarise, shut down. Returns the
     summary. `set_on_cli`: the settings the command line gave (they win over the launcher's
     mesh sizes and init_from's model shape). cfg is read, never changed."""
-    _, world, _, per_node = world_from_env()
+    rank, world, _, per_node = world_from_env()
+    injected_delay(rank)  # a malformed HYBRID2D_TEST_SLOW_RANK fails here, before any work
     device_type = pick_device(cfg.train.device)
     hw = planner_profile(cfg, device_type)
     layout, plan_line = resolve_layout(cfg, set_on_cli, world, per_node, hw)
