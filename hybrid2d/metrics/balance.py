@@ -200,7 +200,9 @@ class BalanceMonitor:
                 entry["device_mem_bytes"] = int(entry["device_mem_bytes"])
             ranks.append(entry)
         figures = balance_figures(ranks)
-        stragglers, warn = self.watch.update(ranks, figures["compute_median_s"])
+        stragglers, warn = [], []
+        if self.logs:  # the launch's first log holds its warm-up step: not judged
+            stragglers, warn = self.watch.update(ranks, figures["compute_median_s"])
         for s in warn:
             median, compute = figures["compute_median_s"], ranks[s["rank"]]["compute_s"]
             print0(straggler_line(s, compute, median, self.window, self.margin))
