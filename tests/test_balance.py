@@ -6,12 +6,18 @@ sleeps of known length, and two short 2x2 runs: rank 3 made slow from outside th
 
 import json
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from hybrid2d.errors import ConfigError
-from hybrid2d.metrics.balance import StragglerWatch, balance_figures, straggler_line
+from hybrid2d.metrics.balance import (
+    StragglerWatch,
+    balance_figures,
+    mesh_coords,
+    straggler_line,
+)
 from hybrid2d.metrics.step_clock import SLOW_RANK_ENV, StepClock, injected_delay
 from tests.launch import check_ok, run_ranks
 
@@ -38,6 +44,14 @@ def test_figures_name_the_slowest_rank_and_its_index_per_dim():
     assert f["per_host"] == {"host": "n1", "max_over_median": pytest.approx(1.5)}
     balanced = balance_figures(ranks_of([2.0, 2.0, 2.0, 2.0]))
     assert balanced["compute_max_over_median"] == 1.0
+
+
+def test_coords_follow_the_device_mesh_with_tp_innermost():
+    # An HSDP mesh (dp_replicate 2, dp_shard 2, tp 2): DeviceMesh's tensor of global ranks.
+    mesh = SimpleNamespace(mesh=SimpleNamespace(mesh=torch.arange(8).view(2, 2, 2)))
+    coords = mesh_coords(mesh)
+    assert coords[0] == [0, 0, 0] and coords[1] == [0, 0, 1] and coords[2] == [0, 1, 0]
+    assert coords[5] == [1, 0, 1] and coords[7] == [1, 1, 1]
 
 
 def test_a_straggler_is_named_after_the_window_once_and_again_only_when_worse():
