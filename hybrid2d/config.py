@@ -295,6 +295,16 @@ class MetricsConfig:
     # Show progress on rank 0: a bar on a terminal; where stderr is not one (a log file), a
     # line per logged step (loss, lr, grad norm, tokens/s).
     progress_bar: bool = True
+    # Per-rank step breakdown (compute, waiting in collectives, data, optimizer, checkpoint),
+    # load balance over the mesh and stragglers, gathered on logged steps into balance.jsonl,
+    # TensorBoard and the summary. Off: no timing and no gather (to measure what it costs).
+    balance: bool = True
+    # A rank is a straggler when its compute per step stays more than this fraction above the
+    # median rank's over straggler_window steps (0.2: 20% slower).
+    straggler_margin: Annotated[float, _POSITIVE] = 0.2
+    # Steps a rank must stay above the margin before it is named (judged on logged steps, so
+    # at least one log_every interval).
+    straggler_window: Annotated[int, _AT_LEAST_1] = 10
 
 
 @dataclass

@@ -13,6 +13,7 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -200,6 +201,16 @@ def describe_transport(mesh: Mesh) -> str:
                 other.append(f"{name}: {shm_backend.fallback_reason(group)}")
     text = f"shared memory ({', '.join(shared)})" if shared else "gloo"
     return text + (f", gloo for {'; '.join(other)}" if other else "")
+
+
+def collective_wait_clock() -> Callable[[], float] | None:
+    """A clock of the seconds this process has been blocked waiting for peers in collectives,
+    where the transport can tell (the shared-memory backend: every collective it serves); None
+    where it cannot (gloo, nccl, no process group): there only the waits a caller times
+    itself are seen."""
+    if not dist.is_initialized() or shm_backend.BACKEND not in dist.get_backend():
+        return None
+    return shm_backend.waited_seconds if shm_backend.uses_shared_memory() else None
 
 
 def set_cpu_threads() -> None:

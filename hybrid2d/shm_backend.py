@@ -157,6 +157,16 @@ def collective_count(group: dist.ProcessGroup | None = None) -> int:
     return pg._shm.generation if isinstance(pg, ShmProcessGroup) and pg._shm else 0
 
 
+# Seconds this process has spent blocked in `_Transport.wait` for peers that had not posted yet,
+# over every group: the exposed communication the step breakdown reports (metrics/step_clock.py).
+_waited = [0.0]
+
+
+def waited_seconds() -> float:
+    """Seconds this process has waited for peers in shared-memory collectives, all groups."""
+    return _waited[0]
+
+
 def _on_error(reason: str) -> str:
     return (
         f"parallel.shm_collectives=on but shared memory is unavailable: {reason}; "
@@ -370,7 +380,11 @@ class _Transport:
         expected = (g, kind, code, numel, grow) * self.n
         offset = parity * self.n * _LINE
         if self.lines.unpack_from(mm, offset) != expected:
-            self.wait(g, expected, offset)
+            start = time.perf_counter()
+            try:
+                self.wait(g, expected, offset)
+            finally:
+                _waited[0] += time.perf_counter() - start
 
     def wait(self, g: int, expected: tuple, offset: int) -> None:
         """Until every peer posted generation g: raise on a mismatch, a timeout, a dead peer."""

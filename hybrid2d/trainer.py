@@ -34,7 +34,9 @@ from hybrid2d.mesh import (
     shutdown_distributed,
 )
 from hybrid2d.metrics import MetricsWriter, attended_pairs
+from hybrid2d.metrics.balance import BalanceMonitor
 from hybrid2d.metrics.progress import RunProgress, start_line
+from hybrid2d.metrics.step_clock import StepClock, injected_delay
 from hybrid2d.metrics.summary import run_summary, write_summary
 from hybrid2d.models.llama import Llama
 from hybrid2d.optim import build_optimizer, build_scheduler, clip_grad_norm, follow_settings
@@ -114,6 +116,8 @@ class Trainer:
     def __init__(self, cfg: JobConfig, mesh: Mesh, resuming: bool = False):
         self.cfg = cfg
         self.mesh = mesh
+        # The step's breakdown (metrics.balance); the loop begins and ends each step on it.
+        self.clock = StepClock(mesh.device, cfg.metrics.balance)
         self.model = build_model(cfg, mesh, resuming)
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
@@ -183,28 +187,35 @@ class Trainer:
         self.model.train()
         device = self.mesh.device
         n = len(micro_batches)
+        phase = self.clock.phase
         # All of the step's batches go to the device here, where the GPU is idle anyway: a
         # blocking copy between micro batches would wait for the queued backward and take
         # away the host's run-ahead once per micro batch.
-        micro_batches = [Batch.of(b) for b in micro_batches]
-        # Read from the host's copy of the document indices: no device sync.
-        lengths = [n for b in micro_batches for n in b.document_lengths()]
-        attended = attended_pairs(self.mesh.layout.model, lengths)
-        micro_batches = [b.to(device) for b in micro_batches]
-        total_tokens, real_tokens, attended = self.global_counts(micro_batches, attended)
+        with phase("data"):
+            micro_batches = [Batch.of(b) for b in micro_batches]
+            # Read from the host's copy of the document indices: no device sync.
+            lengths = [n for b in micro_batches for n in b.document_lengths()]
+            attended = attended_pairs(self.mesh.layout.model, lengths)
+            micro_batches = [b.to(device) for b in micro_batches]
+        with phase("comm"):
+            total_tokens, real_tokens, attended = self.global_counts(micro_batches, attended)
         divide_by = float(max(total_tokens, 1))
         loss_sum = torch.zeros((), device=device)
         defer = self.cfg.parallel.defer_grad_sync and n > 1
-        for i, b in enumerate(micro_batches):
-            if defer:
-                last = i == n - 1
-                self.model.set_requires_gradient_sync(last)
-                self.model.set_requires_all_reduce(last)  # HSDP's all-reduce across replicas
-            scale = float(self.mesh.dp)
-            loss_sum += self.forward_backward(b.inputs, b.labels, scale, divide_by, b.documents)
-        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip).item()
-        # Every rank sees the same global loss and norm, so all take the same branch.
-        loss = self.dp_sum(loss_sum)
+        with phase("compute"):
+            for i, b in enumerate(micro_batches):
+                if defer:
+                    last = i == n - 1
+                    self.model.set_requires_gradient_sync(last)
+                    self.model.set_requires_all_reduce(last)  # HSDP's all-reduce over replicas
+                scale = float(self.mesh.dp)
+                loss_sum += self.forward_backward(b.inputs, b.labels, scale, divide_by, b.documents)
+        # The grad-norm reduction (its local norms and the clipping multiply count with it) and
+        # the loss's: where every rank waits for the slowest one's backward.
+        with phase("comm"):
+            grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip).item()
+            # Every rank sees the same global loss and norm, so all take the same branch.
+            loss = self.dp_sum(loss_sum)
         lr = self.optimizer.param_groups[0]["lr"]
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if not finite and self.cfg.train.on_nonfinite == "stop":
@@ -214,12 +225,13 @@ class Trainer:
                 "train.on_nonfinite=skip skips such steps instead"
             )
         self.step += 1
-        if finite:
-            self.optimizer.step()
-        else:
-            self.skipped_steps.append(self.step)
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with phase("optimizer"):
+            if finite:
+                self.optimizer.step()
+            else:
+                self.skipped_steps.append(self.step)
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
@@ -264,7 +276,8 @@ def run(cfg: JobConfig, set_on_cli: frozenset[str] | set[str] = frozenset()) -> 
     """Resolve the layout, start the process group, train, summarise, shut down. Returns the
     summary. `set_on_cli`: the settings the command line gave (they win over the launcher's
     mesh sizes and init_from's model shape). cfg is read, never changed."""
-    _, world, _, per_node = world_from_env()
+    rank, world, _, per_node = world_from_env()
+    injected_delay(rank)  # a malformed HYBRID2D_TEST_SLOW_RANK fails here, before any work
     device_type = pick_device(cfg.train.device)
     hw = planner_profile(cfg, device_type)
     layout, plan_line = resolve_layout(cfg, set_on_cli, world, per_node, hw)
@@ -332,9 +345,10 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
     # timeout_s of its signal (hung) exits with one line instead.
     preemption = Preemption(mesh.device, cfg.parallel.timeout_s, lambda: trainer.step)
     progress = RunProgress(cfg, mesh, writer)
+    balance = BalanceMonitor(cfg, mesh, trainer.clock, writer, run_dir)
     wall_start = time.perf_counter()
     try:
-        stopped = _steps(cfg, trainer, data, ckpt, memory, traces, preemption, progress)
+        stopped = _steps(cfg, trainer, data, ckpt, memory, traces, preemption, progress, balance)
     finally:
         preemption.close()
         ckpt.close()  # waits for an async save still being written
@@ -360,6 +374,7 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
         tensor_peak=memory.tensor_peak(),
         stopped=stopped,
         skipped_steps=trainer.skipped_steps,
+        balance=balance.summary(),
     )
     if main:
         write_summary(run_dir, summary)
@@ -368,13 +383,20 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
     return summary
 
 
-def _steps(cfg, trainer, data, ckpt, memory, traces, preemption, progress) -> NonFiniteError | None:
+def _steps(
+    cfg, trainer, data, ckpt, memory, traces, preemption, progress, balance
+) -> NonFiniteError | None:
     """Train until train.steps, checkpoint.stop_after or a signal (saved first). A non-finite
     step (every rank raises it together) is returned, to be raised after the summary."""
+    clock = trainer.clock
     while trainer.step < cfg.train.steps:
+        clock.begin_step()
         try:
-            with memory.step(trainer.step + 1), traces.step(trainer.step + 1):
-                result = trainer.train_step(data.loader.next_batch())
+            with traces.step(trainer.step + 1):
+                with clock.phase("data"):
+                    batch = data.loader.next_batch()
+                with memory.step(trainer.step + 1):
+                    result = trainer.train_step(batch)
         except NonFiniteError as e:
             return e
         progress.step(result, memory.scalars())
@@ -384,7 +406,10 @@ def _steps(cfg, trainer, data, ckpt, memory, traces, preemption, progress) -> No
             progress.validation(result.step, *trainer.evaluate(data.val, preemption.progress))
         progress.show(result)
         preemption.progress()  # a save may follow: timeout_s for it, not since the signal
-        ckpt.maybe_save(trainer.step)
+        with clock.phase("checkpoint"):
+            ckpt.maybe_save(trainer.step)
+        clock.end_step()
+        balance.after_step(trainer.step)  # on logged steps: gathered, rank 0 writes
         if trainer.step == cfg.checkpoint.stop_after:
             break
         if preemption.requested():

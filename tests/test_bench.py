@@ -189,3 +189,17 @@ def test_families_run_llama_first_and_each_once():
     args = SimpleNamespace(family=["gemma3", "all", "llama"])
     assert bench.families(args) == ["llama", "gemma3", "mistral", "qwen2", "qwen3"]
     assert bench.families(SimpleNamespace(family=[])) == ["llama"]
+
+
+def test_balance_cost_compares_on_and_off_and_reports_the_monitor_time():
+    model = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=512)
+    runs = synthetic_runs({"hybrid2d": 0.505, f"hybrid2d + {bench.BALANCE_OFF}": 0.5})
+    runs["hybrid2d"][0]["monitor_s"] = [(0.004, 0.001), (0.002, 0.0005)]  # (wall, CPU) per step
+    args = SimpleNamespace(global_batch=8, seq_len=16, warmup=0, world=4, peak_flops=None)
+    args.device = "cpu"
+    row = bench.summarize(runs, args, model)
+    assert row["kinds"]["hybrid2d"]["monitor_s"] == pytest.approx(0.003)  # the median
+    assert "monitor_s" not in row["kinds"][f"hybrid2d + {bench.BALANCE_OFF}"]
+    line = bench.balance_cost({"2x2": row}).splitlines()[1]
+    assert line.startswith("  2x2: 0.5050 s/step on, 0.5000 off (+1.00%)"), line
+    assert "3.00 ms/step wall (0.59%" in line and "0.75 ms CPU (0.15%)" in line

@@ -17,6 +17,8 @@ SCALARS = {
     "perf/tokens_per_s",
     "perf/step_time_s",
     "memory/peak_gib",
+    "balance/compute_max_over_median",
+    "ranks/compute_s/3",
 }
 
 
@@ -59,6 +61,12 @@ def test_accelerate_launch_2x2_trains(tmp_path):
     assert len(losses) == 20
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses
     assert len(summary["peak_memory_bytes_per_rank"]) == 4
+    # The step breakdown of every rank, on every logged step (log_every 1), and its aggregate.
+    balance = [json.loads(x) for x in (run_dir / "balance.jsonl").read_text().splitlines()]
+    assert [b["step"] for b in balance] == list(range(1, 21))
+    assert all(len(b["ranks"]) == 4 for b in balance)
+    assert [r["rank"] for r in summary["balance"]["ranks"]] == [0, 1, 2, 3]
+    assert "  balance        compute max/median " in proc.stdout
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -4,6 +4,7 @@
     python tools/bench.py --mesh 2x2 --repeats 3 --comm
     python tools/bench.py --device cuda --mesh 2x4 --dim 2048 --layers 8 ...   # nccl, MFU
     python tools/bench.py --mesh 2x2 --family all --levers-only   # each family beside Llama
+    python tools/bench.py --mesh 2x2 --balance-cost --repeats 3   # the step breakdown on vs off
 
 Runs alternate (hybrid2d, transformers, single, hybrid2d, ...) so that drift of a shared machine
 hits every kind alike; each figure is the median over all measured steps of all repeats. All kinds
@@ -49,6 +50,7 @@ PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A
 
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+BALANCE_OFF = "metrics.balance=false"
 
 
 def family_shape(family: str, base: ModelConfig, seq_len: int) -> dict:
@@ -247,6 +249,10 @@ def summarize(runs: dict, args, model: ModelConfig) -> dict:
             "peak_mem_mib": max(max(r["peak_mem"]) for r in kind_runs) / 2**20,
             "devices": devices_used(label, args),
         }
+        monitor = [t for r in kind_runs for t in r.get("monitor_s", [])[args.warmup :]]
+        if monitor:  # metrics.balance's gather and bookkeeping on the logged steps: wall, CPU
+            row["kinds"][label]["monitor_s"] = statistics.median(wall for wall, _ in monitor)
+            row["kinds"][label]["monitor_cpu_s"] = statistics.median(cpu for _, cpu in monitor)
     k = row["kinds"]
     if "single" in k:
         per_device = k["single"]["tokens_per_s"] / k["single"]["devices"]
@@ -305,6 +311,22 @@ def format_table(results: dict, device: str) -> str:
             cells = [mesh, "**hybrid2d / transformers tokens/s**"]
             cells += [f"**{row['speedup_vs_transformers']:.2f}x**"] + [""] * (len(header) - 3)
             lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def balance_cost(results: dict) -> str:
+    """--balance-cost's lines: per mesh, the step with the breakdown on against off (the same
+    runs alternating), and the time of the monitor's gather and bookkeeping per logged step."""
+    lines = ["metrics.balance (step breakdown, gathered every step) on against off:"]
+    for mesh, row in results.items():
+        on, off = row["kinds"]["hybrid2d"], row["kinds"][f"hybrid2d + {BALANCE_OFF}"]
+        wall, cpu = on.get("monitor_s", 0.0), on.get("monitor_cpu_s", 0.0)
+        lines.append(
+            f"  {mesh}: {on['step_s']:.4f} s/step on, {off['step_s']:.4f} off "
+            f"({on['step_s'] / off['step_s'] - 1:+.2%}); the monitor's gather and bookkeeping "
+            f"{wall * 1e3:.2f} ms/step wall ({wall / on['step_s']:.2%}, with the wait for the "
+            f"slowest rank), {cpu * 1e3:.2f} ms CPU ({cpu / on['step_s']:.2%})"
+        )
     return "\n".join(lines)
 
 
@@ -428,6 +450,13 @@ def main(argv=None) -> int:
         help="also run hybrid2d with this setting (repeatable; a=1,b=2 for several at once)",
     )
     p.add_argument(
+        "--balance-cost",
+        action="store_true",
+        help="what the always-on step breakdown costs: hybrid2d with metrics.balance on "
+        "(gathered every step) and off, alternating (--levers-only --lever "
+        "metrics.balance=false)",
+    )
+    p.add_argument(
         "--levers-only",
         action="store_true",
         help="skip transformers and the single process (compare levers only)",
@@ -451,6 +480,9 @@ def main(argv=None) -> int:
     )
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
+    if args.balance_cost:
+        args.levers_only = True
+        args.lever.append(BALANCE_OFF)
     try:
         meshes = check_args(args)
     except ConfigError as e:
@@ -501,6 +533,8 @@ def main(argv=None) -> int:
     if len(families(args)) > 1:
         table = family_table(by_family, args)
         print(f"\nfamilies (hybrid2d), the same shape as each builds it:\n{table}")
+    if args.balance_cost:
+        print(f"\n{balance_cost(results)}")
     if args.comm:
         from hybrid2d.comm_report import format_comm
 

@@ -81,8 +81,16 @@ def compute_precision(device: torch.device):
     return contextlib.nullcontext()
 
 
+# run_hybrid2d's (wall, CPU) seconds in the balance monitor, step by step; the wall time
+# includes waiting in its all-gather for the slowest rank, which the next collective would wait
+# for otherwise, the CPU time is the work it adds.
+MONITOR_S: list[tuple[float, float]] = []
+
+
 def run_hybrid2d(args):
     from hybrid2d.mesh import build_mesh, init_distributed
+    from hybrid2d.metrics import MetricsWriter
+    from hybrid2d.metrics.balance import BalanceMonitor
     from hybrid2d.trainer import Trainer
 
     cfg = job_config(args)
@@ -92,13 +100,21 @@ def run_hybrid2d(args):
     init_distributed(args.device, 300, cfg.parallel.shm_collectives)
     mesh = build_mesh(args.device, layout)
     trainer = Trainer(cfg, mesh)
+    # The trainer loop's step breakdown and its gather on logged steps (metrics.balance; the
+    # bench's runs log every step), timed with the step: `--lever metrics.balance=false` is
+    # its cost.
+    clock = trainer.clock
+    balance = BalanceMonitor(cfg, mesh, clock, MetricsWriter(None, False), None)
     checksums = weight_checksums(trainer.model)
     per, mb = layout.local_batch, layout.micro_batch
     lo = mesh.dp_rank * per
     times, losses = [], []
+    monitor = MONITOR_S
     comm = None
     for step, (x, y) in enumerate(batches(cfg.model, args.global_batch, args.seq_len, args.steps)):
         micro = [(x[i : i + mb], y[i : i + mb]) for i in range(lo, lo + per, mb)]
+        start = time.perf_counter()
+        clock.begin_step()
         if args.comm and step == args.steps - 1:
             from hybrid2d.comm_report import CollectiveCounter
 
@@ -107,8 +123,13 @@ def run_hybrid2d(args):
             comm = counter.summary()
         else:
             r = trainer.train_step(micro)
-        times.append(r.seconds)
+        clock.end_step()
+        logged, cpu = time.perf_counter(), time.process_time()
+        balance.after_step(r.step)
+        done = time.perf_counter()
+        times.append(done - start)
         losses.append(r.loss)
+        monitor.append((done - logged, time.process_time() - cpu))
     return times, losses, comm, mesh.device, checksums
 
 
@@ -221,6 +242,7 @@ def main():
                     "peak_mem": peaks,
                     "comm": comm,
                     "checksums": checksums,
+                    "monitor_s": MONITOR_S,
                 },
                 f,
             )

@@ -75,6 +75,7 @@ def run_summary(
     tensor_peak: int | None,
     stopped: BaseException | None,
     skipped_steps: list[int],
+    balance: dict | None = None,
 ) -> dict:
     """summary.json's dict, built on every rank (each rank's peak is gathered from all).
     `skipped_steps`: this launch's steps whose update train.on_nonfinite=skip skipped."""
@@ -106,6 +107,7 @@ def run_summary(
         "val_ppl": evals[-1]["ppl"] if evals else None,
         "plan": against_plan(plan, steady, tensor_peaks, mesh.device.type == "cuda"),
         "stopped": None if stopped is None else str(stopped),
+        "balance": balance,  # metrics/balance.py: per-rank breakdown, load balance, stragglers
     }
 
 
@@ -146,6 +148,27 @@ def _step_ranges(steps: list[int], shown: int = 6) -> str:
     return ", ".join(text)
 
 
+def _balance_lines(b: dict) -> list[str]:
+    """The step's parts on the slowest rank and the median, load balance, stragglers named."""
+    ranks = b["ranks"]
+    slow = ranks[b["slowest_rank"]]
+    coords = ",".join(str(i) for i in b["slowest_coords"])
+
+    def parts(r: dict) -> str:
+        shown = ("compute", "comm", "data", "optimizer", "checkpoint", "other")
+        return " ".join(f"{p} {r[p + '_s'] / max(r['step_s'], 1e-12):.0%}" for p in shown)
+
+    named = ", ".join(
+        f"rank {s['rank']} +{s['excess']:.0%} at step {s['step']}" for s in b["stragglers"]
+    )
+    return [
+        f"  balance        compute max/median {b['compute_max_over_median']:.2f} (worst "
+        f"{b['worst_compute_max_over_median']:.2f}), slowest rank {b['slowest_rank']} on "
+        f"{b['slowest_host']} at mesh [{coords}]; stragglers: {named or 'none'}",
+        f"  step parts     slowest rank: {parts(slow)}",
+    ]
+
+
 def format_summary(s: dict) -> str:
     lines = ["summary", f"  steps          {s['steps']}"]
     if s["losses"]:
@@ -176,6 +199,8 @@ def format_summary(s: dict) -> str:
     )
     if "step_error" in s.get("plan", {}):
         lines.append(_plan_line(s["plan"]))
+    if s.get("balance"):
+        lines += _balance_lines(s["balance"])
     peaks = ", ".join(f"{b / 2**20:.0f}" for b in s["peak_memory_bytes_per_rank"])
     lines += [
         f"  time           {s['time_s']:.1f} s",
