@@ -286,16 +286,14 @@ def test_memory_does_not_grow_with_the_corpus_and_a_killed_run_resumes(made, tmp
     assert not (tmp_path / "l" / INDEX).exists(), "finished before it could be killed"
     written = {p.name: p.stat().st_ino for p in (tmp_path / "l").glob("shard-*.bin")}
     done = {n: i for n, i in written.items() if (tmp_path / "l" / n).with_suffix(".json").exists()}
-    large_run = summary(run_tool(["--data.path", large, "--out", tmp_path / "l", "--workers", "2",
-                             *common]))  # fmt: skip
-    assert large_run["kept"] >= len(done) >= 1
+    big = summary(run_tool(["--data.path", large, "--out", tmp_path / "l", "--workers", "2",
+                            *common]))  # fmt: skip
+    assert big["kept"] >= len(done) >= 1
     for name, inode in done.items():  # kept, not rewritten
         assert (tmp_path / "l" / name).stat().st_ino == inode
-    assert (
-        large_run["tokens"] == COPIES * one["tokens"]
-        and large_run["shards"] >= COPIES * one["shards"] - 3
-    )
-    assert large_run["main_mib"] <= one["main_mib"] + 8, (one, large_run)
-    assert large_run["worker_mib"] <= one["worker_mib"] + 8, (one, large_run)
+    assert big["tokens"] == COPIES * one["tokens"]
+    assert big["shards"] > (COPIES - 1) * one["shards"]
+    assert big["main_mib"] <= one["main_mib"] + 8, (one, big)
+    assert big["worker_mib"] <= one["worker_mib"] + 8, (one, big)
     small_stream = open_shards(str(tmp_path / "s"))[:]
     assert np.array_equal(open_shards(str(tmp_path / "l"))[:], np.tile(small_stream, COPIES))
