@@ -297,3 +297,22 @@ def test_memory_does_not_grow_with_the_corpus_and_a_killed_run_resumes(made, tmp
     assert big["worker_mib"] <= one["worker_mib"] + 8, (one, big)
     small_stream = open_shards(str(tmp_path / "s"))[:]
     assert np.array_equal(open_shards(str(tmp_path / "l"))[:], np.tile(small_stream, COPIES))
+
+
+@pytest.mark.slow
+def test_a_run_on_a_truncated_shard_exits_2_before_its_first_step(made, tmp_path):
+    root, _, out = made
+    copy = tmp_path / "pre"
+    shutil.copytree(out, copy)
+    shard = copy / "shard-000001.bin"
+    with open(shard, "r+b") as f:
+        f.truncate(100)
+    cmd = [sys.executable, "recipes/llama.py", "--data.path", str(copy), "--data.tokenizer",
+           str(root / "tok.json"), "--model.vocab_size", str(VOCAB), "--metrics.run_dir",
+           str(tmp_path / "run")]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=launcher_env(), capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and f"shard {shard} holds 100 bytes" in lines[0], proc.stderr
+    assert "step 1" not in proc.stdout
