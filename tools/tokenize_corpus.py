@@ -1,7 +1,7 @@
 """Tokenize a text corpus once, in parallel, into shards that training reads memory-mapped.
 
 python tools/tokenize_corpus.py --data.path CORPUS --data.tokenizer TOKENIZER --out DIR
-                                [--data.text_field text] [--workers N] [--shard-size 64MB]
+                                [--data.text_field text] [--workers N] [--shard-size 16MB]
 
 CORPUS is what data.path takes (a .txt/.jsonl/.parquet file or a directory of them) or a local
 Hugging Face `datasets` directory (Dataset.save_to_disk; needs the datasets package). TOKENIZER
@@ -37,8 +37,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the text's field in .jsonl / column in .parquet and datasets")  # fmt: skip
     p.add_argument("--out", required=True, help="directory for the shards and the index")
     p.add_argument("--workers", type=int, default=0, help="worker processes (0: the cores)")
-    p.add_argument("--shard-size", default="64MB",
-                   help="characters of text per shard, as a size (64MB: 64 million)")  # fmt: skip
+    p.add_argument("--shard-size", default="16MB",
+                   help="characters of text per shard, as a size (16MB: 16 million)")  # fmt: skip
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
 
     from hybrid2d.config import DataConfig

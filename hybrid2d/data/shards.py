@@ -18,6 +18,7 @@ no shard is read, so start-up does not grow with the corpus, only with the numbe
 
 from __future__ import annotations
 
+import collections
 import json
 import pathlib
 
@@ -90,21 +91,43 @@ def finished_shard(folder: pathlib.Path, i: int, itemsize: int) -> dict | None:
 class ShardedTokens:
     """The shards of a preprocessed corpus as one flat, read-only 1-D token array: what
     PackedDataset takes in place of the inline path's mmap (len, ndim, integer-array indexing).
-    A window that crosses shard edges is read from each shard it touches."""
+    A window that crosses shard edges is read from each shard it touches. Shards are mapped when
+    first read, the newest MAPPED of them kept: each map holds a file descriptor, and a corpus
+    of terabytes has tens of thousands of shards."""
 
     ndim = 1
+    MAPPED = 64
 
-    def __init__(self, folder: pathlib.Path, index: dict, maps: list[np.memmap]):
+    def __init__(self, folder: pathlib.Path, index: dict):
         self.folder = folder
         self.index = index
-        self.maps = maps
-        counts = np.array([len(m) for m in maps], dtype=np.int64)
+        self.dtype = np.dtype(index["dtype"])
+        counts = np.array([e["tokens"] for e in index["shards"]], dtype=np.int64)
         self.ends = np.cumsum(counts)
         self.starts = self.ends - counts
-        self.dtype = np.dtype(index["dtype"])
+        self._maps: collections.OrderedDict[int, np.memmap] = collections.OrderedDict()
 
     def __len__(self) -> int:
         return int(self.ends[-1]) if len(self.ends) else 0
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.ends)
+
+    def shard(self, i: int) -> np.ndarray:
+        """Shard i's tokens, memory-mapped."""
+        if i in self._maps:
+            self._maps.move_to_end(i)
+            return self._maps[i]
+        name = self.index["shards"][i]["name"]
+        n = int(self.ends[i] - self.starts[i])
+        # numpy refuses to map an empty file; a shard of no tokens holds no documents.
+        tokens = (np.memmap(self.folder / f"{name}.bin", dtype=self.dtype, mode="r", shape=(n,))
+                  if n else np.empty(0, dtype=self.dtype))  # fmt: skip
+        self._maps[i] = tokens
+        if len(self._maps) > self.MAPPED:
+            self._maps.popitem(last=False)
+        return tokens
 
     def __getitem__(self, key) -> np.ndarray:
         if isinstance(key, slice):
@@ -113,11 +136,11 @@ class ShardedTokens:
         flat = pos.ravel()
         if flat.size and (flat.min() < 0 or flat.max() >= len(self)):
             raise IndexError(f"token positions outside [0, {len(self)})")
-        shard = np.searchsorted(self.ends, flat, side="right")
+        which = np.searchsorted(self.ends, flat, side="right")
         out = np.empty(flat.shape, dtype=self.dtype)
-        for s in np.unique(shard):
-            mask = shard == s
-            out[mask] = self.maps[s][flat[mask] - self.starts[s]]
+        for s in np.unique(which):
+            mask = which == s
+            out[mask] = self.shard(int(s))[flat[mask] - self.starts[s]]
         return out.reshape(pos.shape)
 
     def document_ends(self, shard: int) -> np.ndarray:
@@ -159,7 +182,6 @@ def open_shards(value: str, setting: str = "data.path") -> ShardedTokens:
         raise ConfigError(
             f"{where}: {index_path} is not a {TOOL} index ({e}); tokenize the corpus again"
         ) from None
-    maps = []
     for entry in shards:
         path = folder / f"{entry['name']}.bin"
         want = entry["tokens"] * itemsize
@@ -176,12 +198,7 @@ def open_shards(value: str, setting: str = "data.path") -> ShardedTokens:
                 f"({entry['tokens']} tokens of {index['dtype']}): it is truncated or from "
                 f"another run; copy it again, or delete it and run {TOOL} again with --out {value}"
             )
-        # An empty memmap is an error in numpy; a shard of no tokens holds no documents.
-        if want:
-            maps.append(np.memmap(path, dtype=index["dtype"], mode="r", shape=(entry["tokens"],)))
-        else:
-            maps.append(np.empty(0, dtype=index["dtype"]))
-    return ShardedTokens(folder, index, maps)
+    return ShardedTokens(folder, index)
 
 
 def write_index(folder: pathlib.Path, plan: dict, entries: list[dict]) -> dict:

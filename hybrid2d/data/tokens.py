@@ -29,8 +29,11 @@ from hybrid2d.data.tokenizer import (
 )
 
 # Documents per encode_batch call: big enough for the library's threads, small enough that one
-# chunk's Python-side id lists stay modest on a large corpus.
+# chunk's Python-side id lists stay modest on a large corpus. A chunk also closes at CHUNK_CHARS
+# characters: the library's Encoding objects take about 100 bytes per token, so 256 long
+# documents (source files of 20 KB) would hold 100+ MB at once.
 CHUNK_DOCS = 256
+CHUNK_CHARS = 1 << 18
 # Input above this size is tokenized inline with a note that tools/tokenize_corpus.py is the way:
 # inline, one process tokenizes (about 1M tokens/s on a core) while every other rank waits.
 INLINE_NOTE_BYTES = 256 * 2**20
@@ -78,6 +81,17 @@ def encode_documents(docs, tok: Tokenizer) -> np.ndarray:
     return np.concatenate(parts) if parts else np.empty(0, dtype=token_dtype(tok))
 
 
+def _next_chunk(docs) -> list[str]:
+    """The next documents, up to CHUNK_DOCS of them or the first to reach CHUNK_CHARS."""
+    chunk, chars = [], 0
+    for doc in itertools.islice(docs, CHUNK_DOCS):
+        chunk.append(doc)
+        chars += len(doc)
+        if chars >= CHUNK_CHARS:
+            break
+    return chunk
+
+
 def token_dtype(tok: Tokenizer) -> np.dtype:
     """uint16 when every id fits: halves the cache and the page cache it occupies."""
     return np.dtype(np.uint16 if vocab_extent(tok) <= 1 << 16 else np.uint32)
@@ -95,7 +109,7 @@ def encode_chunks(docs, tok: Tokenizer) -> Iterator[tuple[np.ndarray, np.ndarray
     # encode_batch_fast (tokenizers >= 0.21) skips computing character offsets we never use.
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
     with special_tokens_as_text(tok):
-        while chunk := list(itertools.islice(docs, CHUNK_DOCS)):
+        while chunk := _next_chunk(docs):
             parts, lengths = [], []
             for enc in encode(chunk, add_special_tokens=False):
                 if bos.size:
