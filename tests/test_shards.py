@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import pathlib
 import re
 import shutil
 import signal
@@ -249,6 +250,18 @@ def run_tool(args, **kw):
                             stderr=subprocess.PIPE, text=True, **kw)  # fmt: skip
 
 
+def tool_processes(out) -> list[str]:
+    """Processes whose command line names `out` (the tool's main process and its workers)."""
+    found = []
+    for cmdline in pathlib.Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(out).encode() in cmdline.read_bytes():
+                found.append(cmdline.parent.name)
+        except OSError:  # ended meanwhile
+            pass
+    return found
+
+
 def summary(proc) -> dict:
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
@@ -269,7 +282,7 @@ def test_memory_does_not_grow_with_the_corpus_and_a_killed_run_resumes(made, tmp
     keeps what it encoded, not one byte per token). Killed after its first shard, it resumes
     keeping the shards it wrote; its stream is the 1x stream COPIES times."""
     root, _, _ = made
-    texts = stdlib_texts(300, 400_000)
+    texts = stdlib_texts(300, 300_000)
     small, large = tmp_path / "small", tmp_path / "large"
     small.mkdir(), large.mkdir()
     write_jsonl(small / "part-0.jsonl", texts)
@@ -278,13 +291,16 @@ def test_memory_does_not_grow_with_the_corpus_and_a_killed_run_resumes(made, tmp
     common = ["--data.tokenizer", root / "tok.json", "--shard-size", "16KB"]
     one = summary(run_tool(["--data.path", small, "--out", tmp_path / "s", "--workers", "2",
                             *common]))  # fmt: skip
-    killed = run_tool(["--data.path", large, "--out", tmp_path / "l", "--workers", "1", *common],
-                      start_new_session=True)  # fmt: skip
+    killed = run_tool(["--data.path", large, "--out", tmp_path / "l", "--workers", "1", *common])
     first = tmp_path / "l" / "shard-000000.json"
     while not first.exists() and killed.poll() is None:
         time.sleep(0.02)
-    os.killpg(killed.pid, signal.SIGKILL)
-    killed.communicate()
+    os.kill(killed.pid, signal.SIGKILL)  # the main process only: its workers end themselves
+    killed.communicate(timeout=60)
+    deadline = time.monotonic() + 60
+    while (left := tool_processes(tmp_path / "l")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, "workers outlived their killed main process"
     assert not (tmp_path / "l" / INDEX).exists(), "finished before it could be killed"
     written = {p.name: p.stat().st_ino for p in (tmp_path / "l").glob("shard-*.bin")}
     done = {n: i for n, i in written.items() if (tmp_path / "l" / n).with_suffix(".json").exists()}

@@ -2,7 +2,8 @@
 tools/tokenize_corpus.py at two corpus sizes with 1 and 2 workers, and the time from launch to a
 run's first step on a preprocessed corpus of a few hundred MB against the built-in corpus.
 
-    python tools/bench_data.py --sizes 16MB,64MB --large 300MB --out docs/benchmarks-data.json
+    python tools/bench_data.py --sizes 16MB,64MB --large 300MB --shard-size 4MB \
+        --out docs/benchmarks-data.json
 
 The corpora are the Python standard library's sources (about 12 MB, on every machine), repeated
 in a shuffled order per copy as JSONL until each reaches its size, written to a temporary folder
@@ -15,6 +16,7 @@ built-in corpus runs twice on one cache: cold (it trains its BPE and tokenizes) 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import random
 import re
@@ -28,8 +30,8 @@ from hybrid2d.cli import OneLineParser, positive_size
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SUMMARY = re.compile(
-    r"into ([\d,]+) tokens .* in ([\d.]+) s: ([\d,]+) tokens/s .* peak RSS main (\d+) MiB, "
-    r"worker (\d+) MiB"
+    r"into ([\d,]+) tokens .* in ([\d.]+) s: ([\d,]+) tokens/s with \d+ workers, ([\d,]+) per "
+    r"worker CPU second; peak RSS main (\d+) MiB, worker (\d+) MiB"
 )
 
 
@@ -37,10 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="16MB,64MB", help="two corpus sizes for the tool")
     p.add_argument("--large", default="300MB", help="the corpus the first-step run trains on")
+    p.add_argument("--shard-size", default="4MB", help="the tool's --shard-size")
     p.add_argument("--out", default="", help="also write the figures to this JSON file")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     sizes = [positive_size(s, "--sizes") for s in args.sizes.split(",")]
     large = positive_size(args.large, "--large")
+    shard = args.shard_size
 
     from hybrid2d.data.corpus import default_corpus_files
     from hybrid2d.data.tokenizer import train_bpe
@@ -55,11 +59,11 @@ def main(argv: list[str] | None = None) -> int:
         for size in sizes:
             corpus = _corpus(root / f"corpus-{size}.jsonl", texts, size)
             for workers in (1, 2):
-                figures["tool"].append(_tokenize(corpus, tok, root / "out", workers, size))
+                figures["tool"].append(_tokenize(corpus, tok, root / "out", workers, size, shard))
                 shutil.rmtree(root / "out")
             corpus.unlink()
         corpus = _corpus(root / "large.jsonl", texts, large)
-        figures["tool"].append(_tokenize(corpus, tok, root / "large", 2, large))
+        figures["tool"].append(_tokenize(corpus, tok, root / "large", 2, large, shard))
         corpus.unlink()  # the run reads the shards only
         cache = root / "cache"
         preprocessed = ["--data.path", str(root / "large"), "--data.tokenizer", str(tok)]
@@ -101,19 +105,21 @@ def _corpus(path: pathlib.Path, texts: list[str], size: int) -> pathlib.Path:
     return path
 
 
-def _tokenize(corpus, tok, out, workers: int, size: int) -> dict:
+def _tokenize(corpus, tok, out, workers: int, size: int, shard: str) -> dict:
     cmd = [sys.executable, str(REPO / "tools" / "tokenize_corpus.py"), "--data.path",
            str(corpus), "--data.tokenizer", str(tok), "--out", str(out), "--workers",
-           str(workers)]  # fmt: skip
+           str(workers), "--shard-size", shard]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
     m = SUMMARY.search(proc.stdout)
-    tokens, seconds, rate, main_rss, worker_rss = m.groups()
+    tokens, seconds, rate, per_core, main_rss, worker_rss = m.groups()
     row = {
         "corpus_mb": round(size / 1e6),
         "workers": workers,
         "tokens": int(tokens.replace(",", "")),
         "seconds": float(seconds),
         "tokens_per_s": int(rate.replace(",", "")),
+        "tokens_per_worker_cpu_s": int(per_core.replace(",", "")),
+        "load_average_1min": round(os.getloadavg()[0], 1),
         "peak_rss_main_mib": int(main_rss),
         "peak_rss_worker_mib": int(worker_rss),
     }

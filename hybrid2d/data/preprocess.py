@@ -20,6 +20,7 @@ import pathlib
 import resource
 import shutil
 import sys
+import threading
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
@@ -61,16 +62,18 @@ class Report:
     workers: int
     main_rss: int  # peak resident bytes of the main process
     worker_rss: int  # the largest peak resident bytes of a worker (0: none started)
+    worker_cpu_s: float  # CPU seconds the workers used: the per-core rate, whatever the load
 
     def line(self) -> str:
         rate = self.new_tokens / max(self.seconds, 1e-9)
+        per_core = self.new_tokens / max(self.worker_cpu_s, 1e-9)
         kept = f", {self.kept} kept from an earlier run" if self.kept else ""
         return (
             f"tokenized {self.documents:,} documents into {self.tokens:,} tokens in "
             f"{self.shards} shards{kept} -> {self.out} in {self.seconds:.1f} s: "
-            f"{rate:,.0f} tokens/s with {self.workers} workers "
-            f"({rate / self.workers:,.0f} per worker); peak RSS main "
-            f"{self.main_rss / 2**20:.0f} MiB, worker {self.worker_rss / 2**20:.0f} MiB"
+            f"{rate:,.0f} tokens/s with {self.workers} workers, {per_core:,.0f} per worker "
+            f"CPU second; peak RSS main {self.main_rss / 2**20:.0f} MiB, worker "
+            f"{self.worker_rss / 2**20:.0f} MiB"
         )
 
 
@@ -95,7 +98,7 @@ def preprocess(
         index = json.loads((out / INDEX).read_text())
         return Report(out, index["documents"], index["tokens"], len(index["shards"]),
                       len(index["shards"]), 0, time.perf_counter() - start, workers,
-                      _own_rss(), 0)  # fmt: skip
+                      _own_rss(), 0, 0.0)  # fmt: skip
     itemsize = token_dtype(tok).itemsize
     entries: list[dict] = []
     kept = new_tokens = worker_rss = 0
@@ -113,6 +116,7 @@ def preprocess(
         entries.append(entry)
         show(len(entries), new_tokens, time.perf_counter() - start)
 
+    cpu_before = _children_cpu_s()
     methods = multiprocessing.get_all_start_methods()
     # fork: a worker starts in milliseconds with the tokenizer library already imported
     # (spawn would import torch again through hybrid2d.data, per worker).
@@ -139,8 +143,9 @@ def preprocess(
         while pending:
             collect(pending.popleft())
     index = write_index(out, plan, entries)
+    cpu = _children_cpu_s() - cpu_before  # the pool has joined its workers
     return Report(out, index["documents"], index["tokens"], len(entries), kept, new_tokens,
-                  time.perf_counter() - start, workers, _own_rss(), worker_rss)  # fmt: skip
+                  time.perf_counter() - start, workers, _own_rss(), worker_rss, cpu)  # fmt: skip
 
 
 def plan_of(d: DataConfig, tok: Tokenizer, shard_chars: int) -> dict:
@@ -263,11 +268,27 @@ def _start_worker(tokenizer_json: str) -> None:
     # One core per worker: the pool is the parallelism (the library's threads would compete).
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _worker_tokenizer = Tokenizer.from_str(tokenizer_json)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A worker whose main process was killed (no shutdown reaches it) ends within a second
+    instead of waiting for work forever; a shard it was writing is left as a temporary file,
+    which the next run removes."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
 
 
 def _encode_shard(out, i, docs, first, chars) -> tuple[dict, int]:
     entry = write_shard(out, i, encode_chunks(docs, _worker_tokenizer), first, chars)
     return entry, _own_rss()
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's children that have ended (user + system)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _own_rss() -> int:
