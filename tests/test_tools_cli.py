@@ -21,6 +21,7 @@ TOOLS = [
     "convert_dcp_to_hf",
     "export_checkpoint",
     "plan",
+    "tokenize_corpus",
 ]
 
 
@@ -58,6 +59,7 @@ BAD = {
     "convert_dcp_to_hf": (["src", "dst", "--bogus"], "unrecognized arguments: --bogus"),
     "export_checkpoint": (["ckpt"], "the following arguments are required: out"),
     "plan": (["--nodes", "x"], "argument --nodes: invalid int value: 'x'"),
+    "tokenize_corpus": (["--data.path", "x"], "required: --data.tokenizer, --out"),
 }
 
 
