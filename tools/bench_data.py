@@ -34,20 +34,21 @@ from hybrid2d.cli import OneLineParser, positive_size
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SUMMARY = re.compile(
     r"into ([\d,]+) tokens .* in ([\d.]+) s: ([\d,]+) tokens/s with \d+ workers, ([\d,]+) per "
-    r"worker CPU second; peak RSS main (\d+) MiB, worker (\d+) MiB"
+    r"worker CPU second \(CPU: main (\d+) s, workers (\d+) s\); peak RSS main (\d+) MiB, "
+    r"worker (\d+) MiB"
 )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="16MB,64MB", help="two corpus sizes for the tool")
-    p.add_argument("--large", default="300MB", help="the corpus the first-step run trains on")
+    p.add_argument("--large", default="300MB", help="the first-step run's corpus (0: no such runs)")
     p.add_argument("--shard-size", default="4MB", help="the tool's --shard-size")
     p.add_argument("--repeats", type=int, default=2, help="runs of each size and worker count")
     p.add_argument("--out", default="", help="also write the figures to this JSON file")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     sizes = [positive_size(s, "--sizes") for s in args.sizes.split(",")]
-    large = positive_size(args.large, "--large")
+    large = positive_size(args.large, "--large") if args.large != "0" else 0
     shard = args.shard_size
 
     from hybrid2d.data.corpus import default_corpus_files
@@ -70,16 +71,17 @@ def main(argv: list[str] | None = None) -> int:
             corpus.unlink()
         if args.repeats > 1:
             figures["tool"] = _fastest(figures["tool"])
-        corpus = _corpus(root / "large.jsonl", texts, large)
-        figures["tool"].append(_tokenize(corpus, tok, root / "large", 2, large, shard))
-        corpus.unlink()  # the run reads the shards only
-        cache = root / "cache"
-        preprocessed = ["--data.path", str(root / "large"), "--data.tokenizer", str(tok)]
-        runs = {"built-in, cold cache": [], "built-in, warm cache": [],
-                f"preprocessed {large / 1e6:.0f} MB": preprocessed}  # fmt: skip
-        for name, data in runs.items():
-            figures["first_step"].append(_first_step(name, data, cache, root / "run"))
-            shutil.rmtree(root / "run", ignore_errors=True)
+        if large:
+            corpus = _corpus(root / "large.jsonl", texts, large)
+            figures["tool"].append(_tokenize(corpus, tok, root / "large", 2, large, shard))
+            corpus.unlink()  # the run reads the shards only
+            cache = root / "cache"
+            preprocessed = ["--data.path", str(root / "large"), "--data.tokenizer", str(tok)]
+            runs = {"built-in, cold cache": [], "built-in, warm cache": [],
+                    f"preprocessed {large / 1e6:.0f} MB": preprocessed}  # fmt: skip
+            for name, data in runs.items():
+                figures["first_step"].append(_first_step(name, data, cache, root / "run"))
+                shutil.rmtree(root / "run", ignore_errors=True)
     text = json.dumps(figures, indent=1)
     print(text)
     if args.out:
@@ -131,7 +133,7 @@ def _tokenize(corpus, tok, out, workers: int, size: int, shard: str) -> dict:
            str(workers), "--shard-size", shard]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
     m = SUMMARY.search(proc.stdout)
-    tokens, seconds, rate, per_core, main_rss, worker_rss = m.groups()
+    tokens, seconds, rate, per_core, main_cpu, workers_cpu, main_rss, worker_rss = m.groups()
     row = {
         "corpus_mb": round(size / 1e6),
         "workers": workers,
@@ -139,6 +141,8 @@ def _tokenize(corpus, tok, out, workers: int, size: int, shard: str) -> dict:
         "seconds": float(seconds),
         "tokens_per_s": int(rate.replace(",", "")),
         "tokens_per_worker_cpu_s": int(per_core.replace(",", "")),
+        "cpu_s_main": int(main_cpu),
+        "cpu_s_workers": int(workers_cpu),
         "load_average_1min": round(os.getloadavg()[0], 1),
         "peak_rss_main_mib": int(main_rss),
         "peak_rss_worker_mib": int(worker_rss),

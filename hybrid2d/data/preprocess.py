@@ -72,7 +72,8 @@ class Report:
             f"tokenized {self.documents:,} documents into {self.tokens:,} tokens in "
             f"{self.shards} shards{kept} -> {self.out} in {self.seconds:.1f} s: "
             f"{rate:,.0f} tokens/s with {self.workers} workers, {per_core:,.0f} per worker "
-            f"CPU second; peak RSS main {self.main_rss / 2**20:.0f} MiB, worker "
+            f"CPU second (CPU: main {_own_cpu_s():.0f} s, workers {self.worker_cpu_s:.0f} s); "
+            f"peak RSS main {self.main_rss / 2**20:.0f} MiB, worker "
             f"{self.worker_rss / 2**20:.0f} MiB"
         )
 
@@ -288,6 +289,12 @@ def _encode_shard(out, i, docs, first, chars) -> tuple[dict, int]:
 def _children_cpu_s() -> float:
     """CPU seconds of this process's children that have ended (user + system)."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds of this process so far (user + system), imports included."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
 
 
