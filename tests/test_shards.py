@@ -200,6 +200,24 @@ def test_damaged_shards_and_another_tokenizer_are_one_line(made, tmp_path):
     one_line(e, "unfinished tools/tokenize_corpus.py output")
 
 
+def test_preprocessed_validation_data_and_format_instruct(made):
+    """data.val_path may name shards too (its windows are those of the same stream inline);
+    data.format=instruct on shards is one line."""
+    root, corpus, out = made
+    cfg = job(root, corpus)
+    cfg.data.val_path = str(out)
+    val = build_run_data(cfg, RunLayout.build(cfg, 1), 0, True, lambda: None).val
+    inline = build_run_data(job(root, corpus), RunLayout.build(cfg, 1), 0, True, lambda: None)
+    assert len(val) == len(inline.loader.dataset)
+    assert torch.equal(val.dataset.gather([0, len(val) - 1]).inputs,
+                       inline.loader.dataset.gather([0, len(val) - 1]).inputs)  # fmt: skip
+    cfg = job(root, out)
+    cfg.data.format = "instruct"
+    with pytest.raises(ConfigError) as e:
+        build_run_data(cfg, RunLayout.build(cfg, 1), 0, True, lambda: None)
+    one_line(e, f"data.format=instruct, but data.path={str(out)!r} is a preprocessed text corpus")
+
+
 def test_tool_bad_input_is_one_line_and_exit_2(made, tmp_path, capsys):
     root, corpus, out = made
     tok = str(root / "tok.json")
