@@ -254,7 +254,8 @@ class DataConfig:
     """Training text and tokenizer."""
 
     # A .txt/.jsonl/.parquet file or a directory of them; "" means the built-in corpus
-    # (the Python standard library's sources, present wherever Python is).
+    # (the Python standard library's sources, present wherever Python is); or the shards
+    # tools/tokenize_corpus.py wrote (a directory with token-index.json), read memory-mapped.
     path: str = ""
     # The field holding the text in .jsonl and .parquet files.
     text_field: str = "text"

@@ -22,6 +22,7 @@ TOOLS = [
     "export_checkpoint",
     "plan",
     "run_report",
+    "tokenize_corpus",
 ]
 
 
@@ -60,6 +61,7 @@ BAD = {
     "export_checkpoint": (["ckpt"], "the following arguments are required: out"),
     "plan": (["--nodes", "x"], "argument --nodes: invalid int value: 'x'"),
     "run_report": (["--out", "x.html"], "the following arguments are required: --run-dir"),
+    "tokenize_corpus": (["--data.path", "x"], "required: --data.tokenizer, --out"),
 }
 
 

@@ -42,6 +42,7 @@ from hybrid2d.data.instruct import (
 from hybrid2d.data.loader import GlobalBatchLoader, PackingCounts
 from hybrid2d.data.packing import PackedDataset
 from hybrid2d.data.rows import first_fit_decreasing
+from hybrid2d.data.shards import TOKENIZER, TOOL, is_preprocessed, open_shards
 from hybrid2d.data.tokenizer import (
     eos_id,
     load_or_train_tokenizer,
@@ -244,23 +245,51 @@ def _dataset(
 ):  # fmt: skip
     """(dataset, kind) for the data config d (data.path's, or val_path's in its place), with
     the chat template stored in tok_dir."""
-    kind = data_kind(cfg, source_files(d, setting), setting)
-    if kind == "instruct":
-        template = load_chat_template(tok_dir)
-        return _instruct_cache(cfg, d, tok, template, cache_dir, setting, build), kind
-    tokens = tokenize_corpus(d, tok, cache_dir, build=build, setting=setting)
+    if is_preprocessed(d.path):  # shards of tools/tokenize_corpus.py: nothing to tokenize
+        tokens = open_shards(d.path, setting)
+        tokens.check_tokenizer(tok, d.tokenizer, setting)
+        kind = "text"
+    else:
+        kind = data_kind(cfg, source_files(d, setting), setting)
+        if kind == "instruct":
+            template = load_chat_template(tok_dir)
+            return _instruct_cache(cfg, d, tok, template, cache_dir, setting, build), kind
+        tokens = tokenize_corpus(d, tok, cache_dir, build=build, setting=setting)
     eos = eos_id(tok) if cfg.data.document_mask == "on" else None
     return PackedDataset(tokens, cfg.train.seq_len, source=d.path, eos=eos), kind
+
+
+def _kind(cfg: JobConfig, d, setting: str) -> str:
+    """The kind of d's data; a preprocessed corpus is text, checked here (its index and the size
+    of every shard, by the file system alone) so that a damaged one fails on every rank."""
+    if not is_preprocessed(d.path):
+        return data_kind(cfg, source_files(d, setting), setting)
+    if cfg.data.format == "instruct":
+        raise ConfigError(
+            f"data.format=instruct, but {setting}={d.path!r} is a preprocessed text corpus "
+            f"({TOOL}); use data.format auto or text"
+        )
+    if not d.tokenizer:
+        raise ConfigError(
+            f"data.tokenizer is '' (a BPE trained on the corpus), but {setting}={d.path!r} is "
+            f"tokenized already; set data.tokenizer to "
+            f"{pathlib.Path(d.path).expanduser() / TOKENIZER}, the tokenizer it was made with"
+        )
+    open_shards(d.path, setting)
+    return "text"
 
 
 def check_kinds(cfg: JobConfig, d, val_cfg) -> str:
     """The training data's kind, after checking that the validation data has the same one and
     that the layout settings fit it (file names and first lines only: cheap, on every rank)."""
-    kind = data_kind(cfg, source_files(d), "data.path")
+    kind = _kind(cfg, d, "data.path")
     if val_cfg is not None:
-        val_files = source_files(val_cfg, "data.val_path")
-        val_kind = data_kind(cfg, val_files, "data.val_path")
-        if val_kind != kind and any(map(_has_text, val_files)):  # empty: said when it is read
+        val_kind = _kind(cfg, val_cfg, "data.val_path")
+        # An empty file is said when it is read.
+        if val_kind != kind and (
+            is_preprocessed(val_cfg.path)
+            or any(map(_has_text, source_files(val_cfg, "data.val_path")))
+        ):
             raise ConfigError(
                 f"data.val_path={d.val_path!r} is {_KIND_NAME[val_kind]} but data.path="
                 f"{d.path!r} is {_KIND_NAME[kind]}: validation is measured on the training "
@@ -295,7 +324,8 @@ def _val_config(data):
     if not data.val_path:
         return None
     d = dataclasses.replace(data, path=data.val_path, val_path="", val_fraction=0.0)
-    source_files(d, "data.val_path")
+    if not is_preprocessed(d.path):
+        source_files(d, "data.val_path")
     return d
 
 
