@@ -189,3 +189,29 @@ def test_families_run_llama_first_and_each_once():
     args = SimpleNamespace(family=["gemma3", "all", "llama"])
     assert bench.families(args) == ["llama", "gemma3", "mistral", "qwen2", "qwen3"]
     assert bench.families(SimpleNamespace(family=[])) == ["llama"]
+
+
+def test_lora_runs_are_compared_on_their_base():
+    """--lever lora.rank=...: a LoRA run has adapters the full fine-tuning run has not; its base
+    must still be the same weights (a bf16 base, the other's rounded: by name only)."""
+    base = {"model.layers.0.mlp.up_proj.weight": "a", "lm_head.weight": "b"}
+    lora = base | {"model.layers.0.mlp.up_proj.lora_A.weight": "c"}
+    kinds = {
+        "hybrid2d": ("hybrid2d", []),
+        "hybrid2d + lora.rank=4": ("hybrid2d", ["--set", "lora.rank=4"]),
+        "hybrid2d + bf16": ("hybrid2d", ["--set", "lora.rank=4", "--set", "lora.base_dtype=bf16"]),
+    }
+
+    def runs(lora_sums, bf16_sums):
+        return {
+            "hybrid2d": [{"checksums": base}],
+            "hybrid2d + lora.rank=4": [{"checksums": lora_sums}],
+            "hybrid2d + bf16": [{"checksums": bf16_sums}],
+        }
+
+    rounded = {n: v + "'" for n, v in lora.items()}
+    bench.check_same_weights(runs(lora, rounded), "2x2", kinds)
+    with pytest.raises(SystemExit, match="lm_head.weight"):
+        bench.check_same_weights(runs(lora | {"lm_head.weight": "x"}, rounded), "2x2", kinds)
+    with pytest.raises(SystemExit, match="has parameters"):
+        bench.check_same_weights(runs(lora, {"lm_head.weight": "b"}), "2x2", kinds)
