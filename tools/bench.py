@@ -121,6 +121,8 @@ def write_model_dir(model: ModelConfig, path: str) -> None:
 def launch(kind: str, dp: int, tp: int, args, model_dir: str, extra: list[str]) -> dict:
     out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
     worker, env = WORKER, dict(os.environ, TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
+    if kind == "hybrid2d" and args.tensor_peak:
+        extra = [*extra, "--tensor-peak"]
     if kind == "baseline":  # hybrid2d as another checkout has it (--baseline)
         worker = os.path.join(args.baseline, "tools", "bench_worker.py")
         env["PYTHONPATH"] = args.baseline + os.pathsep + env.get("PYTHONPATH", "")
@@ -215,7 +217,7 @@ def check_same_weights(runs: dict, mesh: str, kinds: dict | None = None) -> None
         return "lora.base_dtype=bf16" in kinds.get(label, ("", []))[1]
 
     for label, kind_runs in runs.items():
-        for run in kind_runs if isinstance(kind_runs, list) else [kind_runs]:
+        for i, run in enumerate(kind_runs if isinstance(kind_runs, list) else [kind_runs]):
             got, want = run.get("checksums"), ref
             if got is None:
                 continue
@@ -223,11 +225,12 @@ def check_same_weights(runs: dict, mesh: str, kinds: dict | None = None) -> None
                 got = {n: v for n, v in got.items() if not is_adapter(n)}
                 want = {n: v for n, v in ref.items() if not is_adapter(n)}
                 if (bf16(label) or bf16("hybrid2d")) and set(got) == set(want):
-                    print(
-                        f"note: {label} {mesh}: its base is frozen in bf16, the other's weights "
-                        "rounded; compared by name only",
-                        file=sys.stderr,
-                    )
+                    if i == 0:  # once per kind
+                        print(
+                            f"note: {label} {mesh}: its base is frozen in bf16, the other's "
+                            "weights rounded; compared by name only",
+                            file=sys.stderr,
+                        )
                     continue
             if set(got) != set(want):
                 raise SystemExit(
@@ -265,6 +268,7 @@ def summarize(runs: dict, args, model: ModelConfig) -> dict:
             "weights_sha256": _digest(kind_runs[0].get("checksums")),
             "weight_tensors": len(kind_runs[0].get("checksums") or {}),
             "peak_mem_mib": max(max(r["peak_mem"]) for r in kind_runs) / 2**20,
+            "tensor_peak_mib": _tensor_peak_mib(kind_runs),
             "devices": devices_used(label, args),
         }
     k = row["kinds"]
@@ -281,6 +285,12 @@ def summarize(runs: dict, args, model: ModelConfig) -> dict:
         for r in k.values():
             r["mfu"] = fpt * r["tokens_per_s"] / (args.peak_flops * r["devices"])
     return row
+
+
+def _tensor_peak_mib(kind_runs: list[dict]) -> float | None:
+    """The largest tracked tensor peak of any rank of any run (--tensor-peak), or None."""
+    peaks = [p for r in kind_runs for p in r.get("tensor_peak") or [] if p is not None]
+    return max(peaks) / 2**20 if peaks else None
 
 
 def _digest(checksums: dict | None) -> str | None:
@@ -307,7 +317,11 @@ def format_table(results: dict, device: str) -> str:
     mfu = any("mfu" in r for row in results.values() for r in row["kinds"].values())
     memory = "peak GPU memory/rank" if device == "cuda" else "peak RSS/rank"
     header = ["mesh", "kind", "step (s)", "tokens/s", "parallel eff."]
-    header += ["MFU"] * mfu + ["speed vs hybrid2d default", f"{memory} (MiB)", "first loss"]
+    tensors = any(
+        r.get("tensor_peak_mib") for row in results.values() for r in row["kinds"].values()
+    )
+    header += ["MFU"] * mfu + ["speed vs hybrid2d default", f"{memory} (MiB)"]
+    header += ["tensor peak/rank (MiB)"] * tensors + ["first loss"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for mesh, row in results.items():
         for label, r in row["kinds"].items():
@@ -315,11 +329,11 @@ def format_table(results: dict, device: str) -> str:
             cells = [mesh, label, f"{r['step_s']:.3f}", f"{r['tokens_per_s']:,.0f}", eff]
             if mfu:
                 cells.append(f"{100 * r['mfu']:.3g}%" if "mfu" in r else "")
-            cells += [
-                f"{r['vs_hybrid2d_default']:.2f}x",
-                f"{r['peak_mem_mib']:.0f}",
-                f"{r['first_loss']:.5f}",
-            ]
+            cells += [f"{r['vs_hybrid2d_default']:.2f}x", f"{r['peak_mem_mib']:.0f}"]
+            if tensors:
+                peak = r.get("tensor_peak_mib")
+                cells.append(f"{peak:.1f}" if peak else "")
+            cells.append(f"{r['first_loss']:.5f}")
             lines.append("| " + " | ".join(cells) + " |")
         if "speedup_vs_transformers" in row:
             cells = [mesh, "**hybrid2d / transformers tokens/s**"]
@@ -468,6 +482,13 @@ def main(argv=None) -> int:
         "--baseline",
         help="a checkout of another hybrid2d version (e.g. `git worktree add /tmp/old main~5`): "
         "its hybrid2d runs alternate with this tree's, labelled baseline",
+    )
+    p.add_argument(
+        "--tensor-peak",
+        action="store_true",
+        help="hybrid2d runs also track one more (untimed) step's tensors: their peak per rank "
+        "(on CPU the figure that compares settings, e.g. --lever lora.rank=16; RSS holds the "
+        "runtime too)",
     )
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
