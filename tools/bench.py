@@ -518,8 +518,11 @@ def main(argv=None) -> int:
 
                     local = args.global_batch // dp
                     results[label]["comm"] = runs["comm"]["comm"]
+                    job = bench_job(
+                        model, args.global_batch, args.seq_len, 1, dp, tp, "cpu", args.set
+                    )
                     results[label]["comm_analytic"] = analytic_step(
-                        model, dp, tp, local, args.seq_len
+                        model, dp, tp, local, args.seq_len, lora=job.lora
                     )
     args.baseline = baseline
     if args.json:  # first, so that the measurements outlive any mistake in printing them
