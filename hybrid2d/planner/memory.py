@@ -243,7 +243,7 @@ def estimate(
         is_adapter = info in adapter_set
         nbytes = 4 if is_adapter or not lora else base_bytes
         stored += pad * nbytes
-        gathered_c = a if is_adapter else (c if c == 2 or not lora else base_bytes)
+        gathered_c = a if is_adapter else c  # a frozen base's gathered copy: its compute dtype
         unit_gathered[info.unit] = unit_gathered.get(info.unit, 0) + pad * dps * gathered_c
         if info.name == "lm_head.weight" or (m.tie_embeddings and "embed_tokens" in info.name):
             lm_head_gathered = pad * dps * gathered_c
@@ -448,9 +448,8 @@ def lora_block_activations(
     - each adapter keeps its rank-r intermediate (x A^T, B's input);
     - attention keeps rotated q, k, v and its output, the MLP gate, act(gate) and up, as in full
       fine-tuning, wherever their inputs need a gradient."""
-    return _lora_block(m, lcfg, tp, N, c, a, target, True), _lora_block(
-        m, lcfg, tp, N, c, a, target, True
-    ) - _lora_block(m, lcfg, tp, N, c, a, target, False)
+    block = _lora_block(m, lcfg, tp, N, c, a, target, True)
+    return block, block - _lora_block(m, lcfg, tp, N, c, a, target, False)
 
 
 def lora_matmul_outputs(m: ModelConfig, lcfg: LoraConfig, tp: int, N: int, a: int) -> int:
