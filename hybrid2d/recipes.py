@@ -12,7 +12,7 @@ import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hybrid2d.config import JobConfig, ModelConfig, interleaved_layer_types
+from hybrid2d.config import JobConfig, LoraConfig, ModelConfig, interleaved_layer_types
 from hybrid2d.errors import ConfigError
 
 
@@ -26,12 +26,21 @@ class Hardware:
     gpu: str
     memory: str = ""
 
+    def devices(self) -> str:
+        gpus = f"{self.gpus_per_node} GPU" + ("s" if self.gpus_per_node > 1 else "")
+        return f"{self.nodes} nodes x {gpus}" if self.nodes > 1 else gpus
+
     def __str__(self) -> str:
         if self.gpu == "cpu":
             return "any CPU (4 processes on 2 cores: ~1 min)"
-        gpus = f"{self.gpus_per_node} GPU" + ("s" if self.gpus_per_node > 1 else "")
-        where = f"{self.nodes} nodes x {gpus}" if self.nodes > 1 else gpus
-        return f"{where} with {self.memory} ({self.gpu} class)"
+        return f"{self.devices()} with {self.memory} ({self.gpu} class)"
+
+
+# What a recipe's LoRA hint assumes: rank-16 adapters on every linear layer of a block, the base
+# frozen in bf16 (`--lora.rank 16 --lora.alpha 32 --lora.base_dtype bf16`). The hint is the
+# fewest devices of the recipe's kind on which the planner finds a plan that fits
+# (tests/test_recipes.py checks that it fits and that half as many do not).
+LORA_HINT = LoraConfig(rank=16, alpha=32.0, base_dtype="bf16")
 
 
 @dataclass(frozen=True)
@@ -40,18 +49,19 @@ class Recipe:
     build: Callable[[], JobConfig]
     hardware: Hardware
     description: str
+    lora: Hardware | None = None  # the fewest devices a LORA_HINT run fits on
 
 
 _REGISTRY: dict[str, Recipe] = {}
 
 
-def register(name: str, hardware: Hardware, description: str):
+def register(name: str, hardware: Hardware, description: str, lora: Hardware | None = None):
     """Decorator: register a function returning a JobConfig under `name`."""
 
     def wrap(fn: Callable[[], JobConfig]) -> Callable[[], JobConfig]:
         if name in _REGISTRY:
             raise ValueError(f"recipe {name!r} is already registered")
-        _REGISTRY[name] = Recipe(name, fn, hardware, description)
+        _REGISTRY[name] = Recipe(name, fn, hardware, description, lora)
         return fn
 
     return wrap
@@ -87,13 +97,17 @@ def mesh_text(cfg: JobConfig) -> str:
 
 
 def table() -> str:
-    """One line per recipe: name, parameters, default mesh, hardware."""
+    """One line per recipe: name, parameters, default mesh, hardware (and LoRA's)."""
     rows = [("recipe", "params", "default mesh", "expects")]
     for name in _REGISTRY:
         cfg = get(name)
         n = cfg.model.num_params()
         size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
-        rows.append((name, size, mesh_text(cfg), str(_REGISTRY[name].hardware)))
+        recipe = _REGISTRY[name]
+        expects = str(recipe.hardware)
+        if recipe.lora is not None:
+            expects += f"; LoRA rank 16, bf16 base: {recipe.lora.devices()}"
+        rows.append((name, size, mesh_text(cfg), expects))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     return "\n".join(
         "  ".join(c.ljust(w) for c, w in zip(r[:3], widths, strict=True)) + "  " + r[3]
@@ -161,14 +175,24 @@ def _large(
 
 # Planned on 2026-12-03 (tools/plan.py): 1B on one 80 GB GPU, 2.47 s/step, 44.2 GiB predicted;
 # the states alone (fp32 weights, gradients, AdamW: 16 bytes per parameter) need 18.5 GiB.
-@register("llama3.2-1b", Hardware(1, 1, "h100", "80GB"), "Llama 3.2 1B, tied embeddings")
+@register(
+    "llama3.2-1b",
+    Hardware(1, 1, "h100", "80GB"),
+    "Llama 3.2 1B, tied embeddings",
+    lora=Hardware(1, 1, "h100", "80GB"),
+)
 def _llama32_1b() -> JobConfig:
     model = _llama3(2048, 16, 32, 8192, 32.0, tie=True)
     return _large(model, seq_len=2048, global_batch=64, tp=1, ac="none", micro=4)
 
 
 # 8B on 8 x 80 GB: dp_shard 4 x tp 2, micro batch 2, no checkpointing: 3.56 s/step, 50.6 GiB.
-@register("llama3.1-8b", Hardware(1, 8, "h100", "80GB"), "Llama 3.1 8B")
+@register(
+    "llama3.1-8b",
+    Hardware(1, 8, "h100", "80GB"),
+    "Llama 3.1 8B",
+    lora=Hardware(1, 1, "h100", "80GB"),
+)
 def _llama31_8b() -> JobConfig:
     model = _llama3(4096, 32, 32, 14336, 8.0, tie=False)
     return _large(model, seq_len=4096, global_batch=64, tp=2, ac="none", micro=2)
@@ -177,7 +201,12 @@ def _llama31_8b() -> JobConfig:
 # 70B on 8 x 8 x 80 GB: dp_shard 32 x tp 2, selective checkpointing, micro batch 1: 17.9 s/step,
 # 62.9 GiB (eager, planned 2026-12-05). FSDP over all 64 with full checkpointing at micro batch 4
 # is within 1% (18.1 s): tp's exposed collectives weigh less against eager compute.
-@register("llama3.1-70b", Hardware(8, 8, "h100", "80GB"), "Llama 3.1 70B")
+@register(
+    "llama3.1-70b",
+    Hardware(8, 8, "h100", "80GB"),
+    "Llama 3.1 70B",
+    lora=Hardware(1, 4, "h100", "80GB"),
+)
 def _llama31_70b() -> JobConfig:
     model = _llama3(8192, 80, 64, 28672, 8.0, tie=False)
     return _large(model, seq_len=4096, global_batch=256, tp=2, ac="selective", micro=1)
@@ -242,25 +271,39 @@ def _gemma3(dim, layers, heads, kv_heads, head_dim, ffn, vocab, window, scalar, 
 # qwen3-8b 4.73 s, 55.5 GiB; qwen2.5-7b 3.81 s, 48.1 GiB (2x2x2 is 0.5% slower); mistral-7b
 # 3.76 s, 66.7 GiB; qwen3-32b 19.6 s, 65.9 GiB (1x8x2 is 0.3% slower); gemma3-27b 16.9 s,
 # 55.0 GiB. Mistral 7B v0.3 has no sliding window (v0.1's was 4096, the sequence length here).
-@register("qwen3-0.6b", Hardware(1, 1, "h100", "80GB"), "Qwen3 0.6B, tied embeddings")
+@register(
+    "qwen3-0.6b",
+    Hardware(1, 1, "h100", "80GB"),
+    "Qwen3 0.6B, tied embeddings",
+    lora=Hardware(1, 1, "h100", "80GB"),
+)
 def _qwen3_06b() -> JobConfig:
     model = _qwen3(1024, 28, 16, 3072, tie=True)
     return _large(model, seq_len=4096, global_batch=64, tp=1, ac="none", micro=2)
 
 
-@register("qwen3-8b", Hardware(1, 8, "h100", "80GB"), "Qwen3 8B")
+@register(
+    "qwen3-8b", Hardware(1, 8, "h100", "80GB"), "Qwen3 8B", lora=Hardware(1, 1, "h100", "80GB")
+)
 def _qwen3_8b() -> JobConfig:
     model = _qwen3(4096, 36, 32, 12288, tie=False)
     return _large(model, seq_len=4096, global_batch=64, tp=2, ac="none", micro=2)
 
 
-@register("qwen3-32b", Hardware(2, 8, "h100", "80GB"), "Qwen3 32B")
+@register(
+    "qwen3-32b", Hardware(2, 8, "h100", "80GB"), "Qwen3 32B", lora=Hardware(1, 2, "h100", "80GB")
+)
 def _qwen3_32b() -> JobConfig:
     model = _qwen3(5120, 64, 64, 25600, tie=False)
     return _large(model, seq_len=4096, global_batch=128, tp=4, ac="selective", micro=2)
 
 
-@register("qwen2.5-7b", Hardware(1, 8, "h100", "80GB"), "Qwen2.5 7B, q/k/v biases")
+@register(
+    "qwen2.5-7b",
+    Hardware(1, 8, "h100", "80GB"),
+    "Qwen2.5 7B, q/k/v biases",
+    lora=Hardware(1, 1, "h100", "80GB"),
+)
 def _qwen25_7b() -> JobConfig:
     model = ModelConfig(
         name="qwen2",
@@ -279,7 +322,12 @@ def _qwen25_7b() -> JobConfig:
     return _large(model, seq_len=4096, global_batch=64, tp=2, ac="none", micro=2)
 
 
-@register("mistral-7b", Hardware(1, 8, "h100", "80GB"), "Mistral 7B v0.3")
+@register(
+    "mistral-7b",
+    Hardware(1, 8, "h100", "80GB"),
+    "Mistral 7B v0.3",
+    lora=Hardware(1, 1, "h100", "80GB"),
+)
 def _mistral_7b() -> JobConfig:
     model = ModelConfig(
         name="mistral",
@@ -297,14 +345,24 @@ def _mistral_7b() -> JobConfig:
     return _large(model, seq_len=4096, global_batch=64, tp=1, ac="none", micro=2)
 
 
-@register("gemma3-1b", Hardware(1, 1, "h100", "80GB"), "Gemma 3 1B (text), 1 kv head")
+@register(
+    "gemma3-1b",
+    Hardware(1, 1, "h100", "80GB"),
+    "Gemma 3 1B (text), 1 kv head",
+    lora=Hardware(1, 1, "h100", "80GB"),
+)
 def _gemma3_1b() -> JobConfig:
     model = _gemma3(1152, 26, 4, 1, 256, 6912, 262144, window=512, scalar=256)
     model.max_position_embeddings = 32768
     return _large(model, seq_len=4096, global_batch=64, tp=1, ac="none", micro=2)
 
 
-@register("gemma3-27b", Hardware(2, 8, "h100", "80GB"), "Gemma 3 27B (text)")
+@register(
+    "gemma3-27b",
+    Hardware(2, 8, "h100", "80GB"),
+    "Gemma 3 27B (text)",
+    lora=Hardware(1, 2, "h100", "80GB"),
+)
 def _gemma3_27b() -> JobConfig:
     model = _gemma3(
         5376,

@@ -41,7 +41,12 @@ from hybrid2d.metrics.summary import run_summary, write_summary
 from hybrid2d.models.llama import Llama
 from hybrid2d.optim import build_optimizer, build_scheduler, clip_grad_norm, follow_settings
 from hybrid2d.parallel import parallelize
-from hybrid2d.parallel.lora import describe_lora, init_adapters
+from hybrid2d.parallel.lora import (
+    describe_lora,
+    init_adapters,
+    replicated_adapters,
+    sum_replicated_grads,
+)
 from hybrid2d.parallel.loss import cross_entropy, loss_tokens
 from hybrid2d.planner.launch import check_planned_memory, describe_plan, planned, planner_profile
 from hybrid2d.preemption import Preemption
@@ -120,6 +125,8 @@ class Trainer:
         self.clock = StepClock(mesh.device, cfg.metrics.balance)
         self.model = build_model(cfg, mesh, resuming)
         self.optimizer = build_optimizer(self.model, cfg.train)
+        # LoRA adapters replicated over tp: their gradients are summed over tp once per step.
+        self.replicated_adapters = replicated_adapters(self.model)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.step = 0
         self.skipped_steps: list[int] = []  # steps whose update was skipped (non-finite)
@@ -210,9 +217,11 @@ class Trainer:
                     self.model.set_requires_all_reduce(last)  # HSDP's all-reduce over replicas
                 scale = float(self.mesh.dp)
                 loss_sum += self.forward_backward(b.inputs, b.labels, scale, divide_by, b.documents)
-        # The grad-norm reduction (its local norms and the clipping multiply count with it) and
-        # the loss's: where every rank waits for the slowest one's backward.
+        # LoRA's replicated adapter gradients summed over tp, the grad-norm reduction (its local
+        # norms and the clipping multiply count with it) and the loss's: where every rank waits
+        # for the slowest one's backward.
         with phase("comm"):
+            sum_replicated_grads(self.replicated_adapters, self.mesh.tp_mesh)
             grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip).item()
             # Every rank sees the same global loss and norm, so all take the same branch.
             loss = self.dp_sum(loss_sum)

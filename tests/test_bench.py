@@ -203,3 +203,29 @@ def test_balance_cost_compares_on_and_off_and_reports_the_monitor_time():
     line = bench.balance_cost({"2x2": row}).splitlines()[1]
     assert line.startswith("  2x2: 0.5050 s/step on, 0.5000 off (+1.00%)"), line
     assert "3.00 ms/step wall (0.59%" in line and "0.75 ms CPU (0.15%)" in line
+
+
+def test_lora_runs_are_compared_on_their_base():
+    """--lever lora.rank=...: a LoRA run has adapters the full fine-tuning run has not; its base
+    must still be the same weights (a bf16 base, the other's rounded: by name only)."""
+    base = {"model.layers.0.mlp.up_proj.weight": "a", "lm_head.weight": "b"}
+    lora = base | {"model.layers.0.mlp.up_proj.lora_A.weight": "c"}
+    kinds = {
+        "hybrid2d": ("hybrid2d", []),
+        "hybrid2d + lora.rank=4": ("hybrid2d", ["--set", "lora.rank=4"]),
+        "hybrid2d + bf16": ("hybrid2d", ["--set", "lora.rank=4", "--set", "lora.base_dtype=bf16"]),
+    }
+
+    def runs(lora_sums, bf16_sums):
+        return {
+            "hybrid2d": [{"checksums": base}],
+            "hybrid2d + lora.rank=4": [{"checksums": lora_sums}],
+            "hybrid2d + bf16": [{"checksums": bf16_sums}],
+        }
+
+    rounded = {n: v + "'" for n, v in lora.items()}
+    bench.check_same_weights(runs(lora, rounded), "2x2", kinds)
+    with pytest.raises(SystemExit, match="lm_head.weight"):
+        bench.check_same_weights(runs(lora | {"lm_head.weight": "x"}, rounded), "2x2", kinds)
+    with pytest.raises(SystemExit, match="has parameters"):
+        bench.check_same_weights(runs(lora, {"lm_head.weight": "b"}), "2x2", kinds)

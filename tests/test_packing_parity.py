@@ -3,7 +3,8 @@ gradients, each step's loss and grad norm, the final parameters (SGD with clippi
 validation loss of instruction samples packed into rows with document masks equal those of the
 same samples padded one per row, and both equal a single-process reference that runs each
 sample alone through the plain model, to 1e-5. tp = 2 and 4 (sequence parallel: attention
-gathers the whole row, documents are never split) equal tp = 1."""
+gathers the whole row, documents are never split) equal tp = 1. LoRA on packed rows on (2,2)
+equals PEFT running each sample alone, to 1e-5."""
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from tests.reference import reference_optimizer
 from tests.test_parity import relative
 from tests.workers.packing_parity import (
     DATA_SEED,
+    LORA,
     MESHES,
     packing_config,
     step_samples,
@@ -77,6 +79,34 @@ def assert_close(got: dict, ref: dict, what: str) -> None:
             assert relative(got[key][name], expected) <= 1e-5, (what, key, name)
 
 
+def lora_reference(cfg, ds) -> dict:
+    """LoRA in one process, each sample alone through PEFT over transformers' model (the
+    independent reference, tests/lora_reference.py), with the trainer's initial base and
+    adapters, SGD with clipping: losses, norms, the first step's adapter gradients, the final
+    adapters."""
+    pytest.importorskip("peft")
+    from tests.lora_reference import ours, peft_adapters, peft_twin
+
+    t = cfg.train
+    twin = peft_twin(ours(cfg.model, LORA, t.seed), LORA)
+    adapters = peft_adapters(twin)
+    opt, sched = reference_optimizer(twin, t)
+    out = {"losses": [], "norms": []}
+    for step, samples in enumerate(step_samples(ds, cfg)):
+        total, count = summed_loss(lambda x: twin(x).logits, ds, samples)
+        loss = total / count
+        loss.backward()
+        if step == 0:
+            out["grads"] = {n: p.grad.clone() for n, p in adapters.items()}
+        out["norms"].append(torch.nn.utils.clip_grad_norm_(adapters.values(), t.grad_clip).item())
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        out["losses"].append(loss.item())
+    out["params"] = {n: p.detach().clone() for n, p in adapters.items()}
+    return out
+
+
 def test_packed_equals_padded_and_each_sample_alone_on_three_meshes(tmp_path):
     cfg = packing_config()
     ds, val_ds = synthetic_samples(200, DATA_SEED), synthetic_samples(11, DATA_SEED + 1)
@@ -93,3 +123,13 @@ def test_packed_equals_padded_and_each_sample_alone_on_three_meshes(tmp_path):
             assert_close(packed, ref, f"packed dp{dp} tp{tp} micro{micro}")
             assert_close(padded, ref, f"padded dp{dp} tp{tp} micro{micro}")
             assert_close(packed, padded, f"packed vs padded dp{dp} tp{tp} micro{micro}")
+    # LoRA on packed rows with document masks, (2, 2), micro batch 2: PEFT, each sample alone.
+    lora = lora_reference(cfg, ds)
+    assert sorted(results["lora"]["grads"]) == sorted(lora["grads"])
+    for key in ("losses", "norms"):
+        for a, b in zip(results["lora"][key], lora[key], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), ("lora", key, results["lora"][key], lora[key])
+    for key in ("grads", "params"):  # (A's first gradients are 0: B starts at 0)
+        for name, expected in lora[key].items():
+            got = results["lora"][key][name]
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7, msg=f"{key} {name}")

@@ -130,7 +130,14 @@ def run_hybrid2d(args):
         times.append(done - start)
         losses.append(r.loss)
         monitor.append((done - logged, time.process_time() - cpu))
-    return times, losses, comm, mesh.device, checksums
+    tensor_peak = None
+    if args.tensor_peak:  # one more step, untimed, with every tensor tracked (CPU's figure)
+        from hybrid2d.profiling.measure import measure_step
+
+        with measure_step(trainer.model, trainer.optimizer, args.steps) as memory:
+            trainer.train_step(micro)
+        tensor_peak = memory[0].peak
+    return times, losses, comm, mesh.device, checksums, tensor_peak
 
 
 def run_transformers(args):
@@ -222,17 +229,24 @@ def main():
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--comm", action="store_true")
+    p.add_argument(
+        "--tensor-peak", action="store_true", help="hybrid2d: also one tracked step's tensor peak"
+    )
     p.add_argument("--set", action="append", help="hybrid2d setting section.field=value")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     if "RANK" in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
     run = {"hybrid2d": run_hybrid2d, "transformers": run_transformers, "single": run_single}
-    times, losses, comm, device, checksums = run[args.impl](args)
+    times, losses, comm, device, checksums, *tensor_peak = run[args.impl](args)
     peaks = [peak_memory_bytes(device)]  # CUDA: peak allocated by tensors; CPU: peak RSS
+    tensor_peaks = [tensor_peak[0] if tensor_peak else None]
     if dist.is_initialized():
         peaks = [None] * dist.get_world_size()
         dist.all_gather_object(peaks, peak_memory_bytes(device))
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, tensor_peaks[0])
+        tensor_peaks = gathered
     if not dist.is_initialized() or dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(
@@ -240,6 +254,7 @@ def main():
                     "times": times,
                     "losses": losses,
                     "peak_mem": peaks,
+                    "tensor_peak": tensor_peaks,
                     "comm": comm,
                     "checksums": checksums,
                     "monitor_s": MONITOR_S,

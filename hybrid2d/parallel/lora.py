@@ -11,15 +11,22 @@ The adapters follow the layer's tensor-parallel style, read from its weight's pl
 they cost no activation collective:
 
 - column-parallel (weight sharded on the output features): A replicated, B sharded with the
-  output features. Each rank's A gradient is a partial sum (its B shard), summed over tp once
-  by DTensor when it reaches the replicated A (`to_local(grad_placements=[Partial()])`).
+  output features. Each rank's A gradient is a partial sum (its B shard).
 - row-parallel (weight sharded on the input features): A sharded with the input features, B
   replicated. x @ A_local^T is a partial sum of the rank-r activation; B maps it to a partial
   sum of the output, added to the base's partial sum before the style's one reduce-scatter.
-  B's gradient is a partial sum, summed over tp once, like A's above.
+  B's gradient is a partial sum, like A's above.
 
 FSDP2 then shards adapters and frozen base alike over dp; frozen parameters get no gradient, no
 reduce-scatter and (optim.py builds over trainable parameters) no optimizer state.
+
+The partial sums of the replicated adapters' gradients are summed over tp once per step, in
+one all-reduce of all of them (`sum_replicated_grads`, after backward) instead of one per
+tensor as it reaches its weight: their forward hands DTensor the local gradient as if it were
+already summed (`grad_placements=[Replicate()]`), FSDP2 reduce-scatters it over dp as it
+does every gradient, and the sum over tp of those dp shards (both sums are linear, so their
+order does not matter) is one collective of 1/dp of the bytes. Until then a replicated adapter's
+`.grad` holds this rank's partial sum: nothing may read it between backward and that call.
 """
 
 from __future__ import annotations
@@ -147,8 +154,40 @@ class _LoraForward:
 
 def _partial_grad(weight: DTensor) -> torch.Tensor:
     """The local value of a tp-replicated weight whose gradient each rank only has a partial
-    sum of: DTensor sums it over tp (one all-reduce) when it reaches the weight."""
-    return weight.to_local(grad_placements=[Partial()] * weight.device_mesh.ndim)
+    sum of: the gradient is left unsummed (marked replicated, so DTensor issues no collective),
+    for `sum_replicated_grads` to sum with all the others in one all-reduce."""
+    return weight.to_local(grad_placements=[Replicate()] * weight.device_mesh.ndim)
+
+
+def replicated_adapters(model: nn.Module) -> list[nn.Parameter]:
+    """The adapter weights replicated over tp (column-parallel A, row-parallel B), whose
+    gradients `sum_replicated_grads` sums; [] without tp."""
+    out = []
+    for name, p in model.named_parameters():
+        if is_adapter(name) and isinstance(p, DTensor):
+            mesh = p.device_mesh
+            if mesh.size(mesh.ndim - 1) > 1 and p.placements[-1] == Replicate():
+                out.append(p)
+    return out
+
+
+@torch.no_grad()
+def sum_replicated_grads(params: list[nn.Parameter], tp_mesh: DeviceMesh) -> None:
+    """Sum the replicated adapters' gradients over tp: one all-reduce of one flat buffer per
+    dtype (their dp shards, after FSDP2's reduce-scatter), issued by DTensor as a partial sum
+    made replicated, as every other tp reduction. Called once per step after the last
+    backward, before anything reads the gradients (clipping, the optimizer)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            local = p.grad.to_local()
+            by_dtype.setdefault(local.dtype, []).append(local)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        partial = DTensor.from_local(flat, tp_mesh, [Partial()], run_check=False)
+        flat = partial.redistribute(tp_mesh, [Replicate()]).to_local()
+        for grad, summed in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            grad.copy_(summed.view_as(grad))
 
 
 class _ColumnLoraForward:

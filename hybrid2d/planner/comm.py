@@ -13,8 +13,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from hybrid2d.config import ModelConfig
-from hybrid2d.planner.memory import fsdp_shard, model_params, tp_local_shape
+from hybrid2d.config import LoraConfig, ModelConfig
+from hybrid2d.planner.memory import adapter_params, fsdp_shard, model_params, tp_local_shape
+
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def unit_bytes(m: ModelConfig, dp_shard: int, tp: int, elt: int) -> tuple[int, int]:
@@ -57,6 +59,33 @@ def tp_replicated_grads(m: ModelConfig, tp: int) -> tuple[int, int]:
     return count * m.n_layers + 1, numel * m.n_layers + m.dim
 
 
+def lora_terms(m: ModelConfig, lcfg: LoraConfig, dp_shard: int, tp: int) -> dict:
+    """What LoRA (lora.rank > 0) changes in a step's collectives, rank 0's view: the adapters'
+    gathered elements per block (FSDP all-gathers them with the base) and the elements of the
+    adapters replicated over tp (their dp shards, summed over tp in one all-reduce,
+    parallel/lora.sum_replicated_grads); the sequence collectives backward skips because the
+    first block's input (the frozen embedding's output) needs no gradient."""
+    per_block = replicated = 0
+    for p in adapter_params(m, lcfg):
+        if p.unit != 0:
+            continue
+        local = tp_local_shape(p, tp)
+        padded, mine = fsdp_shard(local, dp_shard, 0)
+        per_block += padded * dp_shard
+        if p.tp_dim is None:
+            replicated += mine
+    # Backward stops at the first block's input: the embedding's gather (the backward of its
+    # reduce-scatter) and the first attention input's reduce-scatter (the backward of its
+    # gather) do not run; without an adapter in the first attention, neither do the backward
+    # of its o projection's reduce-scatter nor that of the MLP input's gather.
+    skipped = 1 if set(lcfg.target_names()) & set(ATTENTION_TARGETS) else 2
+    return {
+        "adapters_per_block": per_block,
+        "replicated": replicated * m.n_layers,
+        "skipped": skipped,
+    }
+
+
 def analytic_step(
     m: ModelConfig,
     dp: int,
@@ -66,6 +95,7 @@ def analytic_step(
     micro_batches: int = 1,
     reshard_after_forward: bool = True,
     elt: int = 4,
+    lora: LoraConfig | None = None,
 ) -> dict:
     """Collectives per rank per optimizer step: {kind: (count, payload bytes)}.
 
@@ -79,22 +109,42 @@ def analytic_step(
     - extras: tp_all_reduce = 3 for loss parallel (max, sum of exp, target logit over [b*s])
       and one per weight replicated over tp, whose gradient is a partial sum over tp
       (`tp_replicated_grads`); scalar_all_reduce = the global grad norm and the logged loss.
+    - LoRA (`lora.rank` > 0, `lora_terms`): the frozen norms need no all-reduce; the adapters
+      replicated over tp need one per step (fp32, their dp shards); FSDP gathers the adapters
+      with the base (in `elt`) and reduce-scatters the adapters' gradients only (fp32, the
+      root has none); backward skips one or two sequence collectives of each kind.
     """
     per_micro: dict[str, tuple[int, int]] = {}
+    per_step: dict[str, tuple[int, int]] = {}
     b = local_batch // micro_batches
+    lo = lora_terms(m, lora, dp, tp) if lora is not None and lora.rank else None
     if tp > 1:
         n = 4 * m.n_layers + 2
         per_micro["tp_all_gather"] = (n, n * b * seq_len * m.dim * elt)
         per_micro["tp_reduce_scatter"] = per_micro["tp_all_gather"]
         count, numel = tp_replicated_grads(m, tp)
         per_micro["tp_all_reduce"] = (3 + count, (3 * b * seq_len + numel) * elt)
+        if lo:
+            n -= lo["skipped"]
+            per_micro["tp_all_gather"] = (n, n * b * seq_len * m.dim * elt)
+            per_micro["tp_reduce_scatter"] = per_micro["tp_all_gather"]
+            per_micro["tp_all_reduce"] = (3, 3 * b * seq_len * elt)
+            per_step["tp_all_reduce"] = (1, lo["replicated"] * 4) if lo["replicated"] else (0, 0)
     if dp > 1:
         block, root = unit_bytes(m, dp, tp, elt)
         regather = (m.n_layers - 1) if reshard_after_forward else 0
         gathers = m.n_layers + regather
+        if lo:
+            block += lo["adapters_per_block"] * elt
         per_micro["fsdp_all_gather"] = (gathers + 1, gathers * block + root)
         per_micro["fsdp_reduce_scatter"] = (m.n_layers + 1, m.n_layers * block + root)
+        if lo:
+            adapters = lo["adapters_per_block"] * 4
+            per_micro["fsdp_reduce_scatter"] = (m.n_layers, m.n_layers * adapters)
     out = {k: (c * micro_batches, size * micro_batches) for k, (c, size) in per_micro.items()}
+    for k, (c, size) in per_step.items():
+        before = out.get(k, (0, 0))
+        out[k] = (before[0] + c, before[1] + size)
     if dp * tp > 1:
         out["scalar_all_reduce"] = (2, 12) if dp > 1 else (1, 8)
     return {k: v for k, v in out.items() if v[0]}

@@ -43,6 +43,16 @@ dtype), their gradients before the reduce-scatter, and the flat reduce-scatter i
 unit (embedding, final norm, lm_head) stays gathered from forward to the end of backward, and
 so does the last block (the trainer does not reshard it after forward).
 
+LoRA (lora.rank > 0) changes the terms where a frozen weight changes what exists: the base is
+stored in lora.base_dtype (a bf16 base also computes in bf16) with no gradient, no reduce-scatter
+and no optimizer state; the fp32 adapters (`adapter_params`, split over tp as parallel/lora.py
+splits them, FSDP-sharded like any parameter) get all three. Autograd keeps less for a frozen
+weight (no input of its matmul, no normed tensor of its norm) and more for the adapters (their
+inputs in the adapters' dtype, the rank-r intermediates, dropout's masks):
+`lora_block_activations`, and under selective checkpointing the adapters' matmul outputs
+(`lora_matmul_outputs`). Measured on CPU without compile (tests/test_memory.py); with
+parallel.compile a LoRA block is priced by the eager terms, not measured.
+
 The peak is the largest total over the moments a step passes through: the loss (all
 activations saved, logits' transients), the last block's backward, the end of backward (the
 embedding's gradient) and the optimizer step. The model was derived from, and is checked
@@ -60,7 +70,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybrid2d.config import JobConfig, ModelConfig, resolve_mixed_precision
+from hybrid2d.config import JobConfig, LoraConfig, ModelConfig, resolve_mixed_precision
 from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
 from hybrid2d.models.llama import Llama
@@ -127,6 +137,28 @@ def tp_local_shape(p: ParamInfo, tp: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def adapter_params(m: ModelConfig, lcfg: LoraConfig) -> list[ParamInfo]:
+    """The LoRA adapters of every targeted layer, split as parallel/lora.py splits them: on a
+    column-parallel layer A [rank, in] replicated over tp and B [out, rank] split with the
+    layer's output features (and its kv-head limit); on a row-parallel one A split with the
+    input features, B replicated. [] without adapters (lora.rank 0)."""
+    if not lcfg.rank:
+        return []
+    names = lcfg.target_names()
+    out = []
+    for p in model_params(m):
+        layer, _, leaf = p.name.rpartition(".")
+        if leaf != "weight" or p.unit < 0 or layer.rsplit(".", 1)[-1] not in names:
+            continue
+        rows, cols = p.shape
+        column = p.tp_dim == 0
+        a_dim, b_dim = (None, 0) if column else (1, None)
+        out.append(ParamInfo(f"{layer}.lora_A.weight", (lcfg.rank, cols), a_dim, p.unit))
+        b_most = p.max_shards if column else None
+        out.append(ParamInfo(f"{layer}.lora_B.weight", (rows, lcfg.rank), b_dim, p.unit, b_most))
+    return out
+
+
 def fsdp_shard(local: tuple[int, ...], dp_shard: int, shard_rank: int) -> tuple[int, int]:
     """(padded numel, real numel) of one rank's FSDP2 dim-0 shard of a TP-local tensor."""
     rows = local[0]
@@ -137,7 +169,17 @@ def fsdp_shard(local: tuple[int, ...], dp_shard: int, shard_rank: int) -> tuple[
 
 
 def compute_dtype_bytes(cfg: JobConfig, target: str) -> int:
-    """Bytes per element of gathered parameters and activations on `target` (cuda or cpu)."""
+    """Bytes per element of gathered parameters and activations on `target` (cuda or cpu). A
+    LoRA base frozen in bf16 computes in bf16 whatever the mixed precision (its embedding's
+    output is bf16)."""
+    if cfg.lora.rank and cfg.lora.base_dtype == "bf16":
+        return 2
+    return 2 if resolve_mixed_precision(cfg.parallel.mixed_precision, target) == "bf16" else 4
+
+
+def adapter_dtype_bytes(cfg: JobConfig, target: str) -> int:
+    """Bytes per element of the adapters' compute: fp32, or bf16 under bf16 mixed precision
+    (FSDP2 casts every parameter it gathers)."""
     return 2 if resolve_mixed_precision(cfg.parallel.mixed_precision, target) == "bf16" else 4
 
 
@@ -183,28 +225,43 @@ def estimate(
     c = compute_dtype_bytes(cfg, target)
 
     # ---- parameters, gradients, optimizer state (exact) -------------------------------------
-    params = model_params(m)
+    # LoRA (lora.rank > 0): the base is frozen in lora.base_dtype (no gradient, no optimizer
+    # state); only the fp32 adapters are trained. Full fine-tuning trains every parameter.
+    lora = bool(cfg.lora.rank)
+    adapters = adapter_params(m, cfg.lora)
+    base_bytes = 2 if lora and cfg.lora.base_dtype == "bf16" else 4
+    a = adapter_dtype_bytes(cfg, target)  # bytes of the adapters' compute (and gathered copy)
+    trained = adapters if lora else model_params(m)
+    stored = 0  # bytes of this rank's shards
     padded = real = biggest_local = tp_local_numel = lm_head_gathered = 0
     unit_gathered: dict[int, int] = {}
-    for info in params:
+    unit_grads: dict[int, int] = {}  # a unit's gathered numel that gets a gradient
+    adapter_set = set(adapters)
+    for info in model_params(m) + adapters:
         local = tp_local_shape(info, tp)
         pad, mine = fsdp_shard(local, dps, shard_rank)
-        padded += pad
-        real += mine
-        biggest_local = max(biggest_local, mine)
-        tp_local_numel += math.prod(local)
-        unit_gathered[info.unit] = unit_gathered.get(info.unit, 0) + pad * dps * c
+        is_adapter = info in adapter_set
+        nbytes = 4 if is_adapter or not lora else base_bytes
+        stored += pad * nbytes
+        gathered_c = a if is_adapter else c  # a frozen base's gathered copy: its compute dtype
+        unit_gathered[info.unit] = unit_gathered.get(info.unit, 0) + pad * dps * gathered_c
         if info.name == "lm_head.weight" or (m.tie_embeddings and "embed_tokens" in info.name):
-            lm_head_gathered = pad * dps * c
+            lm_head_gathered = pad * dps * gathered_c
+        if is_adapter or not lora:
+            padded += pad
+            real += mine
+            biggest_local = max(biggest_local, mine)
+            tp_local_numel += math.prod(local)
+            unit_grads[info.unit] = unit_grads.get(info.unit, 0) + pad * dps
     # inv_freq (fp32, every rank), and inv_freq_local for the sliding layers' own RoPE base
     buffers = (m.head_dim // 2) * 4 * (2 if m.rope_local_theta else 1)
-    parameters = padded * 4 + buffers
+    parameters = stored + buffers
     gradients = padded * 4
     optimizer = 0
     if t.optimizer == "adamw":
         # exp_avg and exp_avg_sq per parameter; the step counters are 0-d fp32 tensors on the
         # CPU unless the optimizer is fused/capturable, so they count on the CPU only.
-        optimizer = 2 * real * 4 + (len(params) * 4 if target == "cpu" else 0)
+        optimizer = 2 * real * 4 + (len(trained) * 4 if target == "cpu" else 0)
 
     # ---- activations ------------------------------------------------------------------------
     b, n_micro = layout.micro_batch, layout.n_micro
@@ -226,6 +283,9 @@ def estimate(
     attn_out = N * heads * hd * c + b * heads * S * 4
     mlp = 4 * N * ffn * c
     block = norms + gathered + qkv + qk_norms + attn_out + mlp
+    first_block_less = 0  # what the first block keeps less than the others
+    if lora:
+        block, first_block_less = lora_block_activations(m, cfg.lora, tp, N, c, a, target)
     ckpt = Nl * D * c
     if p.compile:
         # torch.compile's partitioner keeps what backward needs and recomputes the rest: the
@@ -251,6 +311,8 @@ def estimate(
         # attention's and the MLP's inputs are kept only where a collective made them (tp > 1: the
         # sequence gathers); on tp = 1 they are the norms' outputs, recomputed.
         kept = ckpt + (gathered if tp > 1 else 0) + qkv + attn_out + mlp // 2 + 2 * Nl * D * c
+        if lora:
+            kept += lora_matmul_outputs(m, cfg.lora, tp, N, a)
     else:
         kept = block
     recomputes = kept != block
@@ -259,9 +321,17 @@ def estimate(
     masked = [documents or bool(m.layer_window(i)) for i in range(m.n_layers)]
     mask_saved = (b if documents else 1) * S * S * c if target == "cpu" else 0
     blocks_saved = m.n_layers * kept + (sum(masked) * mask_saved if not recomputes else 0)
+    if not recomputes:
+        blocks_saved -= first_block_less
     last_block = block + (mask_saved if masked[-1] else 0)
     head = Nl * D * nb + Nl * 4 + D * offset + N * D * c
+    if lora:  # a frozen norm weight and lm_head: the final norm keeps its fp32 input only
+        head = Nl * D * 4 + Nl * 4 + D * offset
     logits = N * (vocab // tp) * 4
+    # tp > 1: a bf16 base's logits, this rank's vocabulary slice, alive beside their fp32 copy
+    # while the vocab-parallel loss runs (measured for LoRA on CPU; full fine-tuning's CPU
+    # checks are fp32).
+    bf16_logits = N * (vocab // tp) * c if lora and c == 2 and tp > 1 else 0
     inputs, forward_masks = attention_inputs(m, b, S, c, target, documents)
     # tp > 1: the vocab-parallel loss's per-token tensors beside the logits' three (row max and
     # its index, sum of exp, target logit, their all-reduced copies, the label masks and
@@ -279,7 +349,7 @@ def estimate(
         + head_gather
         + inputs
         + forward_masks,
-        "loss": blocks_saved + head + 3 * logits + loss_tokens + inputs,
+        "loss": blocks_saved + head + 3 * logits + loss_tokens + inputs + bf16_logits,
         "last block backward": blocks_saved
         + (last_block - kept + ckpt if recomputes else 0)
         + ffn_grad
@@ -289,7 +359,7 @@ def estimate(
         # The embedding's gradient: with tp > 1 the vocab-parallel embedding's backward builds
         # it for the whole vocabulary and keeps this rank's rows as the gathered weight's
         # gradient (counted as communication below); with tp == 1 it is built as activation.
-        "end of backward": (vocab * D * c if tp == 1 else 0) + N * D * c,
+        "end of backward": (vocab * D * c if tp == 1 and not lora else 0) + N * D * c,
         "optimizer": 2 * biggest_local * 4,
     }
 
@@ -300,6 +370,8 @@ def estimate(
     # and the reduce-scatter input (fp32); the lm_head's gradient waits for the root's
     # reduce-scatter at the end of backward.
     root = unit_gathered.get(-1, 0)
+    if lora:  # a frozen lm_head gets no gradient
+        lm_head_gathered = 0
     blocks_units = [unit_gathered[i] for i in range(m.n_layers)] or [0]
     unit, last = max(blocks_units), blocks_units[-1]
     held = sum(blocks_units[:-1]) if not p.reshard_after_forward else 0
@@ -307,10 +379,15 @@ def estimate(
         "end of forward": root + held + 2 * last,
         "loss": root + held + last,
         "last block backward": root + held + lm_head_gathered + 2 * unit,
-        "end of backward": root + lm_head_gathered + unit + (vocab * D * c if tp > 1 else 0),
+        "end of backward": root
+        + lm_head_gathered
+        + unit
+        + (vocab * D * c if tp > 1 and not lora else 0),
         "optimizer": 0,
     }
     comm_peak = root + held + lm_head_gathered + 3 * unit + unit * 4 // c
+    if lora:  # only the adapters get gradients (compute dtype) and a reduce-scatter (fp32)
+        comm_peak = root + held + 2 * unit + max(unit_grads.values(), default=0) * (a + 4)
     defer = p.defer_grad_sync
     if defer and n_micro > 1:
         # Gradients stay unsharded (fp32) from one micro batch to the next.
@@ -350,6 +427,97 @@ def estimate(
         micro_batches=n_micro,
         seq_len=S,
     )
+
+
+def lora_block_activations(
+    m: ModelConfig, lcfg: LoraConfig, tp: int, N: int, c: int, a: int, target: str
+) -> tuple[int, int]:
+    """(bytes one block keeps for backward, what the first block keeps less) in a LoRA run,
+    the RoPE tables and masks left out (`attention_inputs`). Counted with saved-tensor hooks on
+    CPU: autograd keeps a tensor only for an op with an input that needs a gradient, and a
+    frozen weight needs none, so
+
+    - a norm keeps its fp32 input and rstd (not the normed tensor, which only the frozen
+      weight's gradient reads), and only once its input needs a gradient: the first block's
+      input norm reads the embedding and keeps nothing, and what comes before the first block's
+      first adapter keeps nothing either;
+    - a layer's input is kept only for its adapter's A, in the adapter's dtype: one tensor
+      shared by the layers reading it when no cast or dropout makes a copy (fp32 adapters on an
+      fp32 base), else one copy per targeted layer; dropout adds its mask (CPU: a float mask of
+      the input's size, CUDA: one byte an element);
+    - each adapter keeps its rank-r intermediate (x A^T, B's input);
+    - attention keeps rotated q, k, v and its output, the MLP gate, act(gate) and up, as in full
+      fine-tuning, wherever their inputs need a gradient."""
+    block = _lora_block(m, lcfg, tp, N, c, a, target, True)
+    return block, block - _lora_block(m, lcfg, tp, N, c, a, target, False)
+
+
+def lora_matmul_outputs(m: ModelConfig, lcfg: LoraConfig, tp: int, N: int, a: int) -> int:
+    """Bytes of the adapters' matmul outputs in one block, which selective checkpointing keeps
+    (activation_checkpoint.selective_context saves every matmul's output): per targeted layer
+    x A^T [N, rank] and its product with B, [N, this rank's output features] on a
+    column-parallel layer, [N, dim] (a partial sum) on a row-parallel one."""
+    heads, kv, ffn = m.n_heads // tp, kv_heads_per_rank(m, tp), m.ffn_dim // tp
+    out = {
+        "q_proj": heads * m.head_dim,
+        "k_proj": kv * m.head_dim,
+        "v_proj": kv * m.head_dim,
+        "o_proj": m.dim,
+        "gate_proj": ffn,
+        "up_proj": ffn,
+        "down_proj": m.dim,
+    }
+    return sum(N * (lcfg.rank + out[name]) * a for name in lcfg.target_names())
+
+
+def _lora_block(
+    m: ModelConfig, lcfg: LoraConfig, tp: int, N: int, c: int, a: int, target: str, grad_in: bool
+) -> int:
+    """What one LoRA block keeps; grad_in: whether its input needs a gradient (every block's
+    but the first's)."""
+    T = set(lcfg.target_names())
+    Nl, D, hd = N // tp, m.dim, m.head_dim
+    heads, kv, ffn = m.n_heads // tp, kv_heads_per_rank(m, tp), m.ffn_dim // tp
+    offset = 4 if m.norm_plus_one else 0
+    norm = Nl * D * 4 + Nl * 4 + D * offset
+    shared = a == c and not lcfg.dropout
+    mask = (a if target == "cpu" else 1) if lcfg.dropout else 0
+
+    def inputs(layers: list[str], features: int, kept_elsewhere: bool, grad: bool) -> int:
+        """What the adapters of `layers`, which read one [N, features] tensor, keep of it
+        (dropout keeps its mask only where that tensor needs a gradient)."""
+        layers = [name for name in layers if name in T]
+        if not layers:
+            return 0
+        if shared:
+            return 0 if kept_elsewhere else N * features * a
+        return len(layers) * N * features * (a + (mask if grad else 0))
+
+    kept = len(T) * N * lcfg.rank * a  # the rank-r intermediates
+    # attention
+    kept += norm if grad_in else 0
+    q_g, k_g, v_g = (grad_in or name in T for name in ("q_proj", "k_proj", "v_proj"))
+    kept += inputs(["q_proj", "k_proj", "v_proj"], D, False, grad_in)
+    if m.qk_norm:
+        kept += N * (heads * q_g + kv * k_g) * (hd * 4 + 4) + hd * offset * (q_g + k_g)
+    attn_g = q_g or k_g or v_g
+    if attn_g:
+        # q, k, v, the output and its logsumexp (fp32)
+        kept += N * (heads + 2 * kv) * hd * c + N * heads * hd * c + N * heads * 4
+    kept += inputs(["o_proj"], heads * hd, attn_g, attn_g)
+    o_g = attn_g or "o_proj" in T
+    kept += norm if m.sandwich_norms and o_g else 0  # the attention output's norm
+    # MLP
+    h_g = grad_in or o_g
+    kept += norm if h_g else 0
+    gate_g, up_g = h_g or "gate_proj" in T, h_g or "up_proj" in T
+    kept += inputs(["gate_proj", "up_proj"], D, False, h_g)
+    # silu keeps gate, the product keeps act(gate) for up's gradient and up for gate's
+    kept += N * ffn * c * (2 * gate_g + up_g)
+    kept += inputs(["down_proj"], ffn, False, gate_g or up_g)
+    down_g = gate_g or up_g or "down_proj" in T
+    kept += norm if m.sandwich_norms and down_g else 0  # the MLP output's norm
+    return kept
 
 
 def attention_inputs(

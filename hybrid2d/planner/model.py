@@ -311,8 +311,8 @@ def predict_valid(
     elem_per_micro = m.n_layers * block_fwd * (3 + recompute_passes) + head_bytes
 
     # ---- collectives (the comm report's analytic counts) ------------------------------------
-    step = analytic_step(m, Sh, T, local, S, n_micro, p.reshard_after_forward, elt=c)
-    step_fp32 = analytic_step(m, Sh, T, local, S, n_micro, p.reshard_after_forward, elt=4)
+    step = analytic_step(m, Sh, T, local, S, n_micro, p.reshard_after_forward, c, cfg.lora)
+    step_fp32 = analytic_step(m, Sh, T, local, S, n_micro, p.reshard_after_forward, 4, cfg.lora)
     tp_link = group_link(hw, T, 1, G)
     tp_s = 0.0
     tp_bytes = 0

@@ -1,30 +1,34 @@
 """Worker: on one 4-rank launch, train the tiny model on instruction samples packed into rows
 (document masks) and on the same samples padded one per row, on the (2,2), (1,4) and (4,1)
 meshes with micro batch 1 and 2 (SGD + clipping); record the first step's gradients, every
-step's loss and grad norm, the final parameters and the validation loss of both layouts.
-Rank 0 saves them for tests/test_packing_parity.py.
+step's loss and grad norm, the final parameters and the validation loss of both layouts; and
+LoRA on packed rows on (2,2). Rank 0 saves them for tests/test_packing_parity.py.
 
 usage: packing_parity.py OUT
 """
 
+import copy
 import sys
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from hybrid2d.config import LoraConfig
 from hybrid2d.data.batch import Batch
 from hybrid2d.data.build import EvalSet, PackedRows
 from hybrid2d.data.instruct import IGNORE_INDEX, InstructionDataset, InstructStats
 from hybrid2d.data.loader import GlobalBatchLoader
 from hybrid2d.layout import RunLayout
 from hybrid2d.mesh import build_mesh, init_distributed, shutdown_distributed
+from hybrid2d.parallel.lora import adapter_state, sum_replicated_grads
 from tests.reference import tiny_config
 
 MESHES = [(2, 2), (1, 4), (4, 1)]
 STEPS = 2
 SEQ_LEN = 32
 DATA_SEED = 5
+LORA = LoraConfig(rank=3, alpha=6.0, targets="all-linear")
 
 
 def packing_config():
@@ -92,15 +96,43 @@ def whole(t: torch.Tensor) -> torch.Tensor:
 
 def first_grads(trainer, batches) -> dict:
     """The gradients of the step's loss (summed token loss / global loss tokens) at the
-    current weights, as the trainer computes them, gathered whole."""
+    current weights, as the trainer computes them, gathered whole (LoRA: the adapters', once
+    summed over tp as train_step sums them)."""
     total, *_ = trainer.global_counts(batches)
     for b in batches:
         trainer.forward_backward(
             b.inputs, b.labels, float(trainer.mesh.dp), float(total), b.documents
         )
-    grads = {n: whole(p.grad) for n, p in trainer.model.named_parameters()}
+    sum_replicated_grads(trainer.replicated_adapters, trainer.mesh.tp_mesh)
+    named = trainer.model.named_parameters()
+    grads = {n: whole(p.grad) for n, p in named if p.grad is not None}
     trainer.optimizer.zero_grad(set_to_none=True)
     return grads
+
+
+def packed_lora(cfg, ds) -> dict:
+    """LoRA (LORA's adapters on a frozen base) on packed rows with document masks, (2, 2),
+    micro batch 2: the first step's adapter gradients, each step's loss and grad norm, the final
+    adapters."""
+    from hybrid2d.trainer import Trainer
+
+    cfg = copy.deepcopy(cfg)
+    cfg.lora = LORA
+    cfg.parallel.dp_shard, cfg.parallel.tp, cfg.train.micro_batch = 2, 2, 2
+    layout = RunLayout.build(cfg, dist.get_world_size())
+    mesh = build_mesh("cpu", layout)
+    trainer = Trainer(cfg, mesh)
+    loader = GlobalBatchLoader(ds, layout, mesh.dp_rank, cfg.train.seed, packed=True)
+    got = {"losses": [], "norms": []}
+    for step in range(STEPS):
+        batches = loader.next_batch()
+        if step == 0:
+            got["grads"] = first_grads(trainer, batches)
+        r = trainer.train_step(batches)
+        got["losses"].append(r.loss)
+        got["norms"].append(r.grad_norm)
+    got["params"] = {n: whole(p) for n, p in adapter_state(trainer.model).items()}
+    return got
 
 
 def main():
@@ -141,6 +173,7 @@ def main():
                 got["params"] = {n: whole(p) for n, p in trainer.model.named_parameters()}
                 results[(dp, tp, micro, mode)] = got
                 del trainer
+    results["lora"] = packed_lora(cfg, ds)
     if dist.get_rank() == 0:
         torch.save(results, out)
     shutdown_distributed()
