@@ -1163,6 +1163,10 @@ def test_gpu_check_runs_on_cpu(tmp_path):
     assert raw["block_none_s"] and raw["matmul_table"]  # --calibrate --json keeps the raw
     assert "MFU" in proc.stdout and "planned" in proc.stdout
     assert os.path.exists(tmp_path / "check" / "hardware.json")
+    run = tmp_path / "check" / "run-compile-false"  # traced steps 1-2, the report, the balance
+    assert sorted(p.name for p in (run / "traces").glob("rank*.json")) == ["rank0.pt.trace.json"]
+    assert (run / "run_report.html").stat().st_size > 0
+    assert "balance.jsonl: 3 records, parts add up" in proc.stdout
 
 
 @pytest.mark.slow

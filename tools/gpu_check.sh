@@ -7,6 +7,9 @@
 #      parallel.compile, and for each run print MFU, measured vs estimated peak memory and
 #      planned vs measured step time (tools/plan.py --check-run). No checkpoint is saved: the
 #      1B model's final save (15 GB with AdamW's state) would take longer than its 20 steps.
+#      The first run also traces two steps (--profile.trace_steps) and writes the run report
+#      (tools/run_report.py); each run's balance.jsonl is checked: its parts add up to the step
+#      and, on CUDA, the device's utilisation and memory were read (issue 37's CUDA path).
 #   4. run tests/test_cuda.py (at most CUDA_TESTS_TIMEOUT seconds): the compiled FlexAttention
 #      BlockMask path against SDPA with the dense mask (document masks, sliding windows, both),
 #      Gemma 3-like and Qwen3-like models against transformers, packed rows against each
@@ -60,15 +63,40 @@ if [ -z "$FLAGS" ]; then
 fi
 
 echo "== 3/4 train $STEPS steps, compile: $COMPILE"
+TRACE_FROM=$(( STEPS > 2 ? STEPS / 2 : 1 ))
+TRACE=(--profile.trace_steps "$TRACE_FROM-$(( TRACE_FROM < STEPS ? TRACE_FROM + 1 : TRACE_FROM ))")
 for compile in $COMPILE; do
+  RUN="$OUT/run-compile-$compile"
   # shellcheck disable=SC2086  # FLAGS is a list of arguments
   "$PY" recipes/llama.py $FLAGS --train.steps "$STEPS" --train.device "$DEVICE" \
     --parallel.compile "$compile" --data.max_chars "$MAX_CHARS" --metrics.progress_bar false \
-    --checkpoint.save_final false \
-    --metrics.run_dir "$OUT/run-compile-$compile"
-  "$PY" tools/plan.py --check-run "$OUT/run-compile-$compile" --hardware "$OUT/hardware.json" \
+    --checkpoint.save_final false "${TRACE[@]}" \
+    --metrics.run_dir "$RUN"
+  TRACE=()
+  "$PY" tools/plan.py --check-run "$RUN" --hardware "$OUT/hardware.json" \
     --gpus-per-node 1 --json "$OUT/check-compile-$compile.json"
+  "$PY" - "$RUN/balance.jsonl" "$DEVICE" <<'EOF'
+import json, sys
+records = [json.loads(line) for line in open(sys.argv[1])]
+parts = ("compute_s", "comm_s", "data_s", "optimizer_s", "checkpoint_s", "other_s")
+for record in records:
+    for r in record["ranks"]:
+        total = sum(r[p] for p in parts)
+        if abs(total - r["step_s"]) > 1e-6 * max(r["step_s"], 1e-9) + 1e-9:
+            sys.exit(f"error: {sys.argv[1]} step {record['step']}: parts {total} != {r['step_s']}")
+        if sys.argv[2] == "cuda" and r["device_mem_bytes"] is None:
+            sys.exit(f"error: {sys.argv[1]} step {record['step']}: no device memory on cuda")
+r = records[-1]["ranks"][0]
+util = "-" if r["device_util"] is None else f"{r['device_util']:.0f}%"
+mem = "-" if r["device_mem_bytes"] is None else f"{r['device_mem_bytes'] / 2**30:.2f} GiB"
+print(
+    f"balance.jsonl: {len(records)} records, parts add up; last step {r['step_s']:.3f} s: "
+    f"compute {r['compute_s']:.3f}, comm {r['comm_s']:.3f}, data {r['data_s']:.3f}, "
+    f"optimizer {r['optimizer_s']:.3f}; device util {util}, reserved {mem}"
+)
+EOF
 done
+"$PY" tools/run_report.py --run-dir "$OUT/run-compile-${COMPILE%% *}"
 
 echo "== 4/4 CUDA kernels, families and LoRA against their references (tests/test_cuda.py)"
 CUDA_TESTS=0
