@@ -109,9 +109,9 @@ def expected(dp: int, tp: int, micro: int, model: dict | None = None) -> dict:
         )
     if dp * tp > 1:
         # The squared global grad norm (float64) over the world; with dp > 1 also the global
-        # batch's loss-token and real-token counts (two int64, one all-reduce) and the logged
-        # loss (fp32) over dp.
-        out["scalar_all_reduce"] = (3, 8 + 2 * 8 + F32) if dp > 1 else (1, 8)
+        # batch's loss-token and real-token counts and attended (query, key) pairs (three int64,
+        # one all-reduce) and the logged loss (fp32) over dp.
+        out["scalar_all_reduce"] = (3, 8 + 3 * 8 + F32) if dp > 1 else (1, 8)
     return out
 
 
