@@ -2,8 +2,8 @@
 batches; rank 0 saves each mesh's losses, last-step adapter gradients, final adapters and base,
 and the collectives of one more step next to those of full fine-tuning on the same mesh.
 
-usage: lora_parity.py OUT DPxTP[:bf16][:compile] [...]   (base dtype fp32 unless :bf16;
-:compile: parallel.compile)
+usage: lora_parity.py OUT DPxTP[:bf16][:compile][:kv2] [...]   (base dtype fp32 unless :bf16;
+:compile: parallel.compile; :kv2: the model with 2 kv heads, replicated past tp 2)
 """
 
 import dataclasses
@@ -32,8 +32,10 @@ def one_step_collectives(trainer: Trainer, inputs, labels) -> dict:
     return {"counts": dict(counter.counts), "bytes": dict(counter.bytes)}
 
 
-def train_on(dp: int, tp: int, base_dtype: str, compile: bool = False) -> dict:
-    cfg = lora_job(tp4_model(), lora_settings(base_dtype=base_dtype))
+def train_on(dp: int, tp: int, base_dtype: str, compile: bool = False, kv: int = 0) -> dict:
+    model = tp4_model()
+    model = dataclasses.replace(model, n_kv_heads=kv) if kv else model
+    cfg = lora_job(model, lora_settings(base_dtype=base_dtype))
     cfg.parallel.tp, cfg.parallel.dp_shard = tp, dp
     cfg.parallel.compile = compile
     mesh = build_mesh("cpu", RunLayout.build(cfg, dp * tp))
@@ -82,7 +84,8 @@ def main():
         mesh, *flags = spec.split(":")
         dp, tp = map(int, mesh.split("x"))
         base_dtype = "bf16" if "bf16" in flags else "fp32"
-        results[spec] = train_on(dp, tp, base_dtype, compile="compile" in flags)
+        kv = 2 if "kv2" in flags else 0
+        results[spec] = train_on(dp, tp, base_dtype, compile="compile" in flags, kv=kv)
     if dist.get_rank() == 0:
         torch.save(results, out)
     shutdown_distributed()
