@@ -5,12 +5,21 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch.distributed.tensor import Replicate, distribute_tensor
 
 pytest.importorskip("peft")
 
-from hybrid2d.checkpoint.adapters import load_peft, read_peft  # noqa: E402
+from hybrid2d.checkpoint import layout  # noqa: E402
+from hybrid2d.checkpoint.adapters import (  # noqa: E402
+    ADAPTER_WEIGHTS,
+    PEFT_PREFIX,
+    export_peft,
+    load_peft,
+    read_peft,
+)
 from hybrid2d.checkpoint.hf import model_config_from_hf  # noqa: E402
+from hybrid2d.checkpoint.reader import read_metadata  # noqa: E402
 from hybrid2d.config import JobConfig, LoraConfig, ModelConfig  # noqa: E402
 from hybrid2d.errors import ConfigError  # noqa: E402
 from hybrid2d.models.llama import Llama, copy_full_into  # noqa: E402
@@ -221,6 +230,14 @@ def test_meshes_equal_single_process_peft(tmp_path):
                 torch.testing.assert_close(res["adapters"][name], p, rtol=rtol, atol=atol)
             for name, p in base.items():
                 assert torch.equal(res["base"][name], p), f"{spec}: {name} changed"
+        if kv2:  # its training checkpoint exports PEFT's file: PEFT's names, shapes, adapters
+            step = layout.latest_in_run(f"{out}.1x4-kv2")
+            export_peft(step, read_metadata(step), tmp_path / "peft", torch.float32)
+            exported = load_file(tmp_path / "peft" / ADAPTER_WEIGHTS)
+            assert sorted(exported) == sorted(PEFT_PREFIX + n for n in ref["adapters"])
+            for name, p in ref["adapters"].items():
+                got_p = exported[PEFT_PREFIX + name]
+                torch.testing.assert_close(got_p, p, rtol=rtol, atol=atol, msg=name)
     if "2x2:compile" in got:  # parallel.compile: the eager run's losses, gradients, adapters
         eager, compiled = got["2x2"], got["2x2:compile"]
         torch.testing.assert_close(compiled["losses"], eager["losses"], rtol=1e-5, atol=0)
