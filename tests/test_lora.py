@@ -1,21 +1,36 @@
 """LoRA (parallel/lora.py) against PEFT over transformers, the independent reference."""
 
+import dataclasses
+
 import pytest
 import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch.distributed.tensor import Replicate, distribute_tensor
 
 pytest.importorskip("peft")
 
-from hybrid2d.checkpoint.adapters import load_peft, read_peft  # noqa: E402
+from hybrid2d.checkpoint import layout  # noqa: E402
+from hybrid2d.checkpoint.adapters import (  # noqa: E402
+    ADAPTER_WEIGHTS,
+    PEFT_PREFIX,
+    export_peft,
+    load_peft,
+    read_peft,
+)
 from hybrid2d.checkpoint.hf import model_config_from_hf  # noqa: E402
-from hybrid2d.config import JobConfig, LoraConfig  # noqa: E402
+from hybrid2d.checkpoint.reader import read_metadata  # noqa: E402
+from hybrid2d.config import JobConfig, LoraConfig, ModelConfig  # noqa: E402
 from hybrid2d.errors import ConfigError  # noqa: E402
-from hybrid2d.models.llama import Llama  # noqa: E402
+from hybrid2d.models.llama import Llama, copy_full_into  # noqa: E402
 from hybrid2d.parallel.lora import (  # noqa: E402
     apply_lora,
     describe_lora,
     init_adapters,
     is_adapter,
+    replicated_adapters,
 )
+from hybrid2d.parallel.tensor_parallel import apply_tp  # noqa: E402
 from hybrid2d.planner.comm import analytic_step  # noqa: E402
 from tests.launch import check_ok, run_ranks  # noqa: E402
 from tests.lora_reference import (  # noqa: E402
@@ -31,6 +46,7 @@ from tests.lora_reference import (  # noqa: E402
 )
 from tests.reference import global_batches  # noqa: E402
 from tests.test_families import TOKENS, make_hf  # noqa: E402
+from tests.test_plan import fake_tp_mesh  # noqa: E402
 
 
 def train_ours(model, data, lr):
@@ -116,6 +132,44 @@ def test_bad_settings_are_one_line():
         cfg.check_settings()
 
 
+def test_kv_head_layers_take_adapters_and_other_placements_are_one_line():
+    """tp 4 past 2 kv heads (k/v replicated, rank 3 computes kv head 1): k/v get replicated A
+    and B, both in the one summed set, and rank 3's k/v output is its head's rows of
+    base + B A x * scale; a layer placed any other way is one line naming it."""
+    cfg = ModelConfig(dim=24, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=20, vocab_size=32)
+    lcfg = lora_settings(rank=3)
+    model = Llama(cfg)
+    model.init_weights(0)
+    attn = model.model.layers[0].self_attn
+    full = {p: getattr(attn, p).weight.detach().clone() for p in ("k_proj", "v_proj")}
+    lora_a = torch.randn(lcfg.rank, cfg.dim)
+    lora_b = torch.randn(cfg.n_kv_heads * cfg.head_dim, lcfg.rank)
+    x = torch.randn(2, 5, cfg.dim)
+    rows = slice(cfg.head_dim, 2 * cfg.head_dim)  # kv head 1
+    with fake_tp_mesh(3, 4) as mesh:
+        apply_tp(model, mesh)
+        apply_lora(model, lcfg, mesh)
+        summed = {id(p) for p in replicated_adapters(model)}
+        for name in ("k_proj", "v_proj"):
+            proj = getattr(attn, name)
+            for adapter, value in ((proj.lora_A, lora_a), (proj.lora_B, lora_b)):
+                assert adapter.weight.placements == (Replicate(),), name
+                assert id(adapter.weight) in summed, name
+                with torch.no_grad():
+                    copy_full_into(adapter.weight, value)
+            want = F.linear(x, full[name][rows]) + F.linear(x, lora_b[rows] @ lora_a) * 7.0 / 3
+            torch.testing.assert_close(proj(x), want, rtol=1e-5, atol=1e-6)
+
+        plain = Llama(cfg)  # q_proj replicated: no style of ours places a weight so
+        q = plain.model.layers[0].self_attn.q_proj
+        q.weight = torch.nn.Parameter(distribute_tensor(q.weight.detach(), mesh, [Replicate()]))
+        with pytest.raises(ConfigError) as err:
+            apply_lora(plain, lcfg, mesh)
+        line = str(err.value)
+        assert "\n" not in line and line.startswith("lora.targets='all-linear': "), line
+        assert "model.layers.0.self_attn.q_proj is placed (Replicate(),)" in line, line
+
+
 def test_rank_zero_changes_nothing():
     model = Llama(odd_model())
     before = dict(model.named_parameters())
@@ -124,13 +178,24 @@ def test_rank_zero_changes_nothing():
     assert all(p.requires_grad for p in model.parameters())
 
 
-def peft_reference(base_dtype: str) -> tuple[dict, dict]:
+def kv2_model():
+    """tp4_model with 2 kv heads: on tp 4 k and v are replicated, 2 ranks per kv head."""
+    return dataclasses.replace(tp4_model(), n_kv_heads=2)
+
+
+def peft_reference(base_dtype: str, cfg=None) -> tuple[dict, dict]:
     """PEFT's 10 SGD steps from the trainer's own initial state, and that base."""
+    cfg = cfg or tp4_model()
     lcfg = lora_settings(base_dtype=base_dtype)
-    job = lora_job(tp4_model(), lcfg)
-    model = ours(tp4_model(), lcfg, seed=job.train.seed)
+    job = lora_job(cfg, lcfg)
+    model = ours(cfg, lcfg, seed=job.train.seed)
     base = {n: p.detach().clone() for n, p in model.named_parameters() if not is_adapter(n)}
     return train_peft(peft_twin(model, lcfg), list(global_batches(job)), job.train.lr), base
+
+
+def reference_of(spec: str) -> tuple[str, bool]:
+    """A lora_parity spec's PEFT reference: (base dtype, 2 kv heads)."""
+    return ("bf16" if ":bf16" in spec else "fp32"), ":kv2" in spec
 
 
 @pytest.mark.slow
@@ -146,14 +211,14 @@ def test_meshes_equal_single_process_peft(tmp_path):
     out = tmp_path / "lora.pt"
     # (The worker also takes 2x2:compile, compiled blocks, which equal the eager run to 1e-5;
     # a cold compile costs this launch 30-40 s under load, so it is run by hand, not here.)
-    specs = ["2x2", "1x4", "4x1", "2x2:bf16"]
+    specs = ["2x2", "1x4", "4x1", "2x2:bf16", "1x4:kv2"]
     check_ok(run_ranks(4, ["tests/workers/lora_parity.py", str(out), *specs], timeout=600))
     got = torch.load(out)
-    for base_dtype in ("fp32", "bf16"):
-        ref, base = peft_reference(base_dtype)
+    for base_dtype, kv2 in sorted({reference_of(s) for s in specs}):
+        ref, base = peft_reference(base_dtype, kv2_model() if kv2 else None)
         n_adapters = sum(p.numel() for p in ref["adapters"].values())
         rtol, atol = (1e-5, 1e-7) if base_dtype == "fp32" else (2e-2, 2e-3)
-        for spec in [s for s in specs if s.endswith(":bf16") == (base_dtype == "bf16")]:
+        for spec in [s for s in specs if reference_of(s) == (base_dtype, kv2)]:
             res = got[spec]
             assert res["trainable"] == n_adapters, spec
             assert res["grad_names"] == sorted(ref["grads"]), spec
@@ -165,6 +230,14 @@ def test_meshes_equal_single_process_peft(tmp_path):
                 torch.testing.assert_close(res["adapters"][name], p, rtol=rtol, atol=atol)
             for name, p in base.items():
                 assert torch.equal(res["base"][name], p), f"{spec}: {name} changed"
+        if kv2:  # its training checkpoint exports PEFT's file: PEFT's names, shapes, adapters
+            step = layout.latest_in_run(f"{out}.1x4-kv2")
+            export_peft(step, read_metadata(step), tmp_path / "peft", torch.float32)
+            exported = load_file(tmp_path / "peft" / ADAPTER_WEIGHTS)
+            assert sorted(exported) == sorted(PEFT_PREFIX + n for n in ref["adapters"])
+            for name, p in ref["adapters"].items():
+                got_p = exported[PEFT_PREFIX + name]
+                torch.testing.assert_close(got_p, p, rtol=rtol, atol=atol, msg=name)
     if "2x2:compile" in got:  # parallel.compile: the eager run's losses, gradients, adapters
         eager, compiled = got["2x2"], got["2x2:compile"]
         torch.testing.assert_close(compiled["losses"], eager["losses"], rtol=1e-5, atol=0)
@@ -174,9 +247,10 @@ def test_meshes_equal_single_process_peft(tmp_path):
     blocks = tp4_model().n_layers
     # The communication formula (planner/comm.py, LoRA's terms) gives what a step issued, count
     # and bytes, for every kind it gives full fine-tuning's (scalars: test_comm_report).
-    for spec in ("2x2", "1x4", "4x1"):
-        dp, tp = map(int, spec.split("x"))
-        analytic = analytic_step(tp4_model(), dp, tp, 4 // dp, 8, lora=lora_settings())
+    for spec in ("2x2", "1x4", "4x1", "1x4:kv2"):
+        dp, tp = map(int, spec.split(":")[0].split("x"))
+        cfg = kv2_model() if spec.endswith(":kv2") else tp4_model()
+        analytic = analytic_step(cfg, dp, tp, 4 // dp, 8, lora=lora_settings())
         measured = got[spec]["comm"]
         for kind, (count, nbytes) in analytic.items():
             if kind != "scalar_all_reduce":

@@ -101,6 +101,38 @@ def test_lora_estimate_counts_the_modules_parallel_lora_builds():
         )
 
 
+def test_lora_estimate_past_the_kv_heads_counts_the_local_modules():
+    """A rank of tp 4 over 2 kv heads (k/v whole on every rank, their adapters replicated):
+    the estimate's parameters, gradients and optimizer state equal the local tensors that
+    apply_tp and parallel/lora.py build on that rank (fake group, meta device)."""
+    from hybrid2d.models.llama import Llama
+    from hybrid2d.parallel.lora import apply_lora, is_adapter
+    from hybrid2d.parallel.tensor_parallel import apply_tp
+    from tests.test_plan import fake_tp_mesh
+
+    cfg = recipes.get("llama-debug")
+    cfg.model = dataclasses.replace(cfg.model, n_kv_heads=2)
+    cfg.parallel.tp, cfg.lora = 4, LoraConfig(6)
+    with torch.device("meta"):
+        model = Llama(cfg.model)
+    with fake_tp_mesh(1, 4) as mesh:
+        apply_tp(model, mesh)
+        apply_lora(model, cfg.lora, mesh)
+    local = {n: p.to_local() for n, p in model.named_parameters()}
+    k_b = local["model.layers.0.self_attn.k_proj.lora_B.weight"]
+    assert k_b.shape == (2 * cfg.model.head_dim, 6)  # whole: PEFT's shape on every rank
+    nbytes = sum(t.numel() * t.element_size() for t in local.values())
+    nbytes += sum(b.numel() * b.element_size() for b in model.buffers())
+    trained = [t for n, t in local.items() if is_adapter(n)]
+    numel = sum(t.numel() for t in trained)
+    est = estimate(cfg, RunLayout.on_mesh(cfg, (1, 1, 4)), 1, "cpu")
+    assert (est.parameters, est.gradients, est.optimizer) == (
+        nbytes,
+        numel * 4,
+        2 * numel * 4 + len(trained) * 4,
+    )
+
+
 def test_tracker_counts_storages_views_and_resizes():
     model = nn.Linear(4, 4)
     with MemoryTracker(model) as t:

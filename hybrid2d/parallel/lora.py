@@ -16,6 +16,10 @@ they cost no activation collective:
   replicated. x @ A_local^T is a partial sum of the rank-r activation; B maps it to a partial
   sum of the output, added to the base's partial sum before the style's one reduce-scatter.
   B's gradient is a partial sum, like A's above.
+- past the kv heads (k/v weight whole on every rank, each rank computing the rows of its
+  query heads' kv head, `module.kv_rows`; tensor_parallel.KVHeadLinear): A and B replicated,
+  the adapter's output B[kv_rows] A x. Both gradients are partial sums: A's from this rank's
+  rows, B's filling only its kv rows, the ranks sharing a head each adding their queries' part.
 
 FSDP2 then shards adapters and frozen base alike over dp; frozen parameters get no gradient, no
 reduce-scatter and (optim.py builds over trainable parameters) no optimizer state.
@@ -86,8 +90,8 @@ def apply_lora(model: nn.Module, lcfg: LoraConfig, tp_mesh: DeviceMesh | None = 
         return
     layers = target_layers(model, lcfg)
     _freeze_base(model, BASE_DTYPES[lcfg.base_dtype])
-    for layer in layers.values():
-        _add_adapter(layer, lcfg, tp_mesh)
+    for path, layer in layers.items():
+        _add_adapter(path, layer, lcfg)
 
 
 def _freeze_base(model: nn.Module, dtype: torch.dtype) -> None:
@@ -97,7 +101,7 @@ def _freeze_base(model: nn.Module, dtype: torch.dtype) -> None:
     model.tie_weights()  # the embedding and head were re-registered apart
 
 
-def _add_adapter(layer: nn.Linear, lcfg: LoraConfig, tp_mesh: DeviceMesh | None) -> None:
+def _add_adapter(path: str, layer: nn.Linear, lcfg: LoraConfig) -> None:
     device = layer.weight.device
     layer.lora_A = nn.Linear(layer.in_features, lcfg.rank, bias=False, device=device)
     layer.lora_B = nn.Linear(lcfg.rank, layer.out_features, bias=False, device=device)
@@ -112,8 +116,14 @@ def _add_adapter(layer: nn.Linear, lcfg: LoraConfig, tp_mesh: DeviceMesh | None)
         a, b, forward = Replicate(), Shard(0), _ColumnLoraForward
     elif shard == Shard(1):  # row-parallel
         a, b, forward = Shard(1), Replicate(), _RowLoraForward
+    elif shard == Replicate() and hasattr(layer, "kv_rows"):  # past the kv heads
+        a, b, forward = Replicate(), Replicate(), _KVHeadLoraForward
     else:
-        raise NotImplementedError(f"LoRA on a linear layer whose weight is {weight.placements}")
+        raise ConfigError(
+            f"lora.targets={lcfg.targets!r}: {path} is placed {weight.placements} over tp, "
+            "and LoRA follows only column-parallel, row-parallel and kv-head layers; "
+            "leave it out of lora.targets"
+        )
     _distribute(layer.lora_A, weight.device_mesh, a)
     _distribute(layer.lora_B, weight.device_mesh, b)
     layer.__class__ = _lora_class(forward, type(layer))
@@ -160,7 +170,8 @@ def _partial_grad(weight: DTensor) -> torch.Tensor:
 
 
 def replicated_adapters(model: nn.Module) -> list[nn.Parameter]:
-    """The adapter weights replicated over tp (column-parallel A, row-parallel B), whose
+    """The adapter weights replicated over tp (column-parallel A, row-parallel B, both past
+    the kv heads), whose
     gradients `sum_replicated_grads` sums; [] without tp."""
     out = []
     for name, p in model.named_parameters():
@@ -212,6 +223,18 @@ class _RowLoraForward:
         delta = F.linear(low, _partial_grad(self.lora_B.weight)) * self.lora_scale
         group = weight.device_mesh.get_group(weight.device_mesh.ndim - 1)
         return reduce_scatter_sequence(partial + delta.to(partial.dtype), group)
+
+
+class _KVHeadLoraForward:
+    """k/v past the kv heads: this rank's kv rows of base + B A x, A and B replicated, both
+    gradients partial (summed by `sum_replicated_grads`). No communication."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        start, rows = self.kv_rows
+        low = F.linear(_low_rank_input(self, x), _partial_grad(self.lora_A.weight))
+        b = _partial_grad(self.lora_B.weight).narrow(0, start, rows)
+        return out + (F.linear(low, b) * self.lora_scale).to(out.dtype)
 
 
 @torch.no_grad()

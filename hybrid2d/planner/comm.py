@@ -72,7 +72,8 @@ def lora_terms(m: ModelConfig, lcfg: LoraConfig, dp_shard: int, tp: int) -> dict
         local = tp_local_shape(p, tp)
         padded, mine = fsdp_shard(local, dp_shard, 0)
         per_block += padded * dp_shard
-        if p.tp_dim is None:
+        past_kv_heads = p.max_shards is not None and tp > p.max_shards  # k/v's B: replicated
+        if p.tp_dim is None or past_kv_heads:
             replicated += mine
     # Backward stops at the first block's input: the embedding's gather (the backward of its
     # reduce-scatter) and the first attention input's reduce-scatter (the backward of its

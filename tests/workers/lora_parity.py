@@ -2,8 +2,9 @@
 batches; rank 0 saves each mesh's losses, last-step adapter gradients, final adapters and base,
 and the collectives of one more step next to those of full fine-tuning on the same mesh.
 
-usage: lora_parity.py OUT DPxTP[:bf16][:compile] [...]   (base dtype fp32 unless :bf16;
-:compile: parallel.compile)
+usage: lora_parity.py OUT DPxTP[:bf16][:compile][:kv2] [...]   (base dtype fp32 unless :bf16;
+:compile: parallel.compile; :kv2: the model with 2 kv heads, replicated past tp 2, and its
+trained adapters saved as a checkpoint in OUT.DPxTP-kv2)
 """
 
 import dataclasses
@@ -12,6 +13,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from hybrid2d.checkpoint.dcp import Checkpointer
 from hybrid2d.comm_report import CollectiveCounter
 from hybrid2d.config import LoraConfig
 from hybrid2d.layout import RunLayout
@@ -32,8 +34,12 @@ def one_step_collectives(trainer: Trainer, inputs, labels) -> dict:
     return {"counts": dict(counter.counts), "bytes": dict(counter.bytes)}
 
 
-def train_on(dp: int, tp: int, base_dtype: str, compile: bool = False) -> dict:
-    cfg = lora_job(tp4_model(), lora_settings(base_dtype=base_dtype))
+def train_on(
+    dp: int, tp: int, base_dtype: str, compile: bool = False, kv: int = 0, run_dir=None
+) -> dict:
+    model = tp4_model()
+    model = dataclasses.replace(model, n_kv_heads=kv) if kv else model
+    cfg = lora_job(model, lora_settings(base_dtype=base_dtype))
     cfg.parallel.tp, cfg.parallel.dp_shard = tp, dp
     cfg.parallel.compile = compile
     mesh = build_mesh("cpu", RunLayout.build(cfg, dp * tp))
@@ -56,10 +62,15 @@ def train_on(dp: int, tp: int, base_dtype: str, compile: bool = False) -> dict:
         )
     hook.remove()
     params = {n: full(p) for n, p in trainer.model.named_parameters()}
+    if run_dir is not None:  # the adapters' training checkpoint, for the test to export
+        ckpt = Checkpointer(cfg, run_dir, trainer.checkpoint_states())
+        ckpt.save(trainer.step)
+        ckpt.close()
     inputs, labels = inputs[lo : lo + per_rank], labels[lo : lo + per_rank]
     comm = comm_full = None
     if not compile:  # the eager run of the same mesh counts them
         comm = one_step_collectives(trainer, inputs, labels)
+    if not compile and not kv:  # (the test compares full fine-tuning's on tp4_model only)
         full_ft = Trainer(dataclasses.replace(cfg, lora=LoraConfig(rank=0)), mesh)
         comm_full = one_step_collectives(full_ft, inputs, labels)
     return {
@@ -82,7 +93,9 @@ def main():
         mesh, *flags = spec.split(":")
         dp, tp = map(int, mesh.split("x"))
         base_dtype = "bf16" if "bf16" in flags else "fp32"
-        results[spec] = train_on(dp, tp, base_dtype, compile="compile" in flags)
+        kv = 2 if "kv2" in flags else 0
+        run_dir = f"{out}.{spec.replace(':', '-')}" if kv else None  # a checkpoint to export
+        results[spec] = train_on(dp, tp, base_dtype, "compile" in flags, kv, run_dir)
     if dist.get_rank() == 0:
         torch.save(results, out)
     shutdown_distributed()
