@@ -364,7 +364,7 @@ def _steps(cfg, trainer, data, ckpt, memory, preemption, progress) -> NonFiniteE
                 result = trainer.train_step(data.loader.next_batch())
         except NonFiniteError as e:
             return e
-        progress.step(result, memory.scalars())
+        progress.step(result, memory.scalars() | data.scalars())
         last = trainer.step in (cfg.train.steps, cfg.checkpoint.stop_after)
         every = cfg.train.eval_every
         if data.val is not None and ((every and result.step % every == 0) or last):

@@ -39,6 +39,7 @@ from hybrid2d.data.instruct import (
     is_instruction_file,
 )
 from hybrid2d.data.loader import GlobalBatchLoader, PackingCounts
+from hybrid2d.data.mixture import MixtureLoader, parse_mixture
 from hybrid2d.data.packing import PackedDataset
 from hybrid2d.data.rows import first_fit_decreasing
 from hybrid2d.data.shards import TOKENIZER, TOOL, is_preprocessed, open_shards
@@ -149,7 +150,15 @@ class RunData:
     preview: dict | None = None  # packed: the figures of the first PREVIEW_STEPS steps' rows
 
     def describe(self) -> str:
-        parts = [f"data: {self.kind}, {len(self.loader.dataset)} training samples"]
+        if isinstance(self.loader, MixtureLoader):
+            mix = ", ".join(
+                f"{s.name} {w:.0%} ({len(ds)} samples)"
+                for s, w, ds in zip(self.loader.sources, self.loader.weights,
+                                    self.loader.datasets, strict=True)
+            )  # fmt: skip
+            parts = [f"data: text, a mixture of {mix}, each sample drawn by weight"]
+        else:
+            parts = [f"data: {self.kind}, {len(self.loader.dataset)} training samples"]
         if self.kind == "instruct":
             stats = InstructStats(**self.stats["train_stats"])
             parts.append(stats.describe(padded=self.layout == "padded"))
@@ -177,7 +186,15 @@ class RunData:
         out |= {k: v for k, v in self.stats.items() if k not in ("train_stats", "val_samples")}
         if self.layout == "packed":
             out["packing"] = self.loader.served.to_dict()
+        if isinstance(self.loader, MixtureLoader):  # per source, over every launch of the run
+            out["mixture"] = self.loader.summary()
         return out
+
+    def scalars(self) -> dict[str, float]:
+        """TensorBoard's data figures after a step: tokens seen per mixture source."""
+        if not isinstance(self.loader, MixtureLoader):
+            return {}
+        return {f"data/tokens_{n}": float(v) for n, v in self.loader.tokens_seen().items()}
 
 
 def data_kind(cfg: JobConfig, files: list[pathlib.Path], setting: str = "data.path") -> str:
@@ -325,6 +342,8 @@ def build_run_data(
     d, t = dataclasses.replace(cfg.data, tokenizer=layout.tokenizer), cfg.train
     vocab_size = layout.model.vocab_size
     cache_dir = cache_dir_for(cfg)
+    if d.mixture:
+        return _mixture_run_data(cfg, d, layout, dp_rank, is_main, barrier)
     # Cheap checks on every rank first, so a bad data.path fails everywhere at once instead of
     # leaving the other ranks waiting at the barrier for a main process that already died.
     val_cfg = _val_config(d)
@@ -390,6 +409,83 @@ def build_run_data(
         stats["document_mask"] = d.document_mask
     layout_name = "windows" if kind == "text" else d.packing
     return RunData(loader, tok, val, kind, stats, layout_name, preview)
+
+
+def check_mixture(cfg: JobConfig, d) -> list:
+    """data.mixture's sources as DataConfigs (each path in data.path's place), checked on every
+    rank with file names, first lines and shard indexes alone: each is text, exists, and the
+    preprocessed ones were made with one tokenizer."""
+    sources = parse_mixture(d.mixture)
+    for setting, value, fix in (
+        ("data.path", d.path, "leave data.path at '' and list every source in data.mixture"),
+        ("data.val_fraction", d.val_fraction, "give held-out text as data.val_path"),
+    ):
+        if value:
+            raise ConfigError(f"{setting}={value!r} is set beside data.mixture; {fix}")
+    if not d.tokenizer:
+        raise ConfigError(
+            f"data.tokenizer is '' (a BPE trained on data.path), but data.mixture={d.mixture!r} "
+            "has no single corpus to train one on; set data.tokenizer (a preprocessed source's "
+            "DIR/tokenizer.json, or a HF model directory)"
+        )
+    configs, hashes = [], {}
+    for src in sources:
+        setting = f"data.mixture[{src.name}]"
+        sd = dataclasses.replace(d, path=src.path, mixture="", val_path="", val_fraction=0.0)
+        if not pathlib.Path(src.path).expanduser().exists():
+            raise ConfigError(
+                f"{setting}={src.path!r} does not exist; give a preprocessed shard directory or "
+                "a .txt/.jsonl/.parquet file or directory of them"
+            )
+        if _kind(cfg, sd, setting) != "text":
+            raise ConfigError(
+                f"{setting}={src.path!r} is {_KIND_NAME['instruct']}; a mixture draws text "
+                "windows: give text sources, or train on instruction data through data.path"
+            )
+        if is_preprocessed(src.path):
+            hashes[src.name] = open_shards(src.path, setting).index["tokenizer_hash"]
+        configs.append(sd)
+    if len(set(hashes.values())) > 1:
+        listed = ", ".join(f"{n}: {h}" for n, h in hashes.items())
+        raise ConfigError(
+            f"data.mixture={d.mixture!r}: its sources were tokenized with different tokenizers "
+            f"({listed}); tokenize every source with the one data.tokenizer"
+        )
+    return list(zip(sources, configs, strict=True))
+
+
+def _mixture_run_data(
+    cfg: JobConfig, d, layout: RunLayout, dp_rank: int, is_main: bool, barrier
+) -> RunData:  # fmt: skip
+    """RunData whose loader draws each sample from one of data.mixture's sources by weight."""
+    vocab_size, cache_dir = layout.model.vocab_size, cache_dir_for(cfg)
+    sources = check_mixture(cfg, d)
+    val_cfg = _val_config(d)
+    if val_cfg is not None and _kind(cfg, val_cfg, "data.val_path") != "text":
+        raise ConfigError(
+            f"data.val_path={d.val_path!r} is {_KIND_NAME['instruct']}, but data.mixture is "
+            "text; give held-out text"
+        )
+    load_or_train_tokenizer(d, vocab_size, cache_dir, build=False)
+    if is_main:  # inline sources are tokenized once, by this process
+        tok = load_or_train_tokenizer(d, vocab_size, cache_dir)
+        for src, sd in sources:
+            _dataset(cfg, sd, tok, cache_dir, f"data.mixture[{src.name}]", build=True)
+        if val_cfg is not None:
+            _dataset(cfg, val_cfg, tok, cache_dir, "data.val_path", build=True)
+    barrier()
+    tok = load_or_train_tokenizer(d, vocab_size, cache_dir, build=False)
+    datasets = [
+        _dataset(cfg, sd, tok, cache_dir, f"data.mixture[{src.name}]", build=False)[0]
+        for src, sd in sources
+    ]
+    loader = MixtureLoader([s for s, _ in sources], datasets, layout, dp_rank, cfg.train.seed)
+    val, stats = None, {"document_mask": d.document_mask}
+    if val_cfg is not None:
+        val_ds, _ = _dataset(cfg, val_cfg, tok, cache_dir, "data.val_path", build=False)
+        val = EvalSet(val_ds, repr(d.val_path))
+        stats["val_samples"] = len(val_ds)
+    return RunData(loader, tok, val, "text", stats)
 
 
 def build_data(
