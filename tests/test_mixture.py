@@ -12,6 +12,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from hybrid2d.data import build_run_data
 from hybrid2d.data.loader import GlobalBatchLoader
@@ -111,6 +112,14 @@ def test_a_resume_on_another_dp_size_continues_the_straight_run(sources):
     assert two[0].state_dict() == two[1].state_dict()
     rest = steps([one], 5)
     assert all(torch.equal(a, b) for a, b in zip(rest, straight[4:], strict=True))
+    masked = job(sources)
+    masked.data.document_mask = "on"  # every source's windows carry their documents
+    got = [m for ld in [loaders(masked, 1)[0].loader] for _ in range(9) for m in ld.next_batch()]
+    inputs, documents = torch.cat([m.inputs for m in got]), torch.cat([m.documents for m in got])
+    assert torch.equal(inputs, torch.cat(straight))
+    eos = Tokenizer.from_file(str(sources / "tok.json")).token_to_id("<|endoftext|>")
+    ends = (inputs == eos).long()
+    assert ends.any() and torch.equal(documents, ends.cumsum(1) - ends)
     at = MixtureLoader(one.sources, one.datasets, RunLayout.build(cfg, 1), 0, cfg.train.seed)
     assert torch.equal(at.global_batch_at(6 * 7).inputs, straight[7])
 

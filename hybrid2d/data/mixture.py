@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from hybrid2d.data.batch import Batch
-from hybrid2d.data.loader import GlobalBatchLoader, PackingCounts
+from hybrid2d.data.loader import GlobalBatchLoader
 from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
 
@@ -71,8 +71,6 @@ class MixtureLoader:
     global positions [consumed, consumed + global_batch); rank r takes rows
     [r*B/dp, (r+1)*B/dp) of it, each row the next unseen sample of the source drawn for it."""
 
-    packed = False
-
     def __init__(
         self, sources: list[Source], datasets: list, layout: RunLayout, dp_rank: int, seed: int = 0
     ):  # fmt: skip
@@ -97,11 +95,7 @@ class MixtureLoader:
         self.seed = seed
         self.samples_consumed = 0
         self.taken = np.zeros(len(sources), dtype=np.int64)  # samples of each source so far
-        self.served = PackingCounts()
         self._blocks: dict[int, np.ndarray] = {}
-
-    def __len__(self) -> int:
-        return sum(len(ds) for ds in self.datasets)
 
     def choices(self, start: int, count: int) -> np.ndarray:
         """The source index of each global position in [start, start + count)."""
