@@ -303,7 +303,7 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
     print0(describe_plan(plan))
     # A bad --checkpoint.resume fails here, on every rank, before data and model are built.
     resume_from = find_resume(ran, run_dir)
-    data = build_run_data(cfg, layout, mesh.dp_rank, main, dist.barrier)
+    data = build_run_data(cfg, layout, mesh.dp_rank, main, dist.barrier, _dp_all_gather(mesh))
     print0(data.describe())
     trainer = Trainer(cfg, mesh, resuming=resume_from is not None)
     states = trainer.checkpoint_states() | {f"{TRAINER}.data": data.loader}
@@ -353,6 +353,18 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
     if stopped is not None:
         raise stopped
     return summary
+
+
+def _dp_all_gather(mesh: Mesh):
+    """all_gather(obj) -> every dp rank's obj in dp order (streaming's documents per round)."""
+    group = mesh.dp_mesh.get_group()
+
+    def all_gather(obj) -> list:
+        out = [None] * mesh.dp
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    return all_gather
 
 
 def _steps(cfg, trainer, data, ckpt, memory, preemption, progress) -> NonFiniteError | None:

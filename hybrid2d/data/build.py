@@ -43,6 +43,7 @@ from hybrid2d.data.mixture import MixtureLoader, parse_mixture
 from hybrid2d.data.packing import PackedDataset
 from hybrid2d.data.rows import first_fit_decreasing
 from hybrid2d.data.shards import TOKENIZER, TOOL, is_preprocessed, open_shards
+from hybrid2d.data.stream import StreamingLoader
 from hybrid2d.data.tokenizer import eos_id, load_or_train_tokenizer, tokenizer_hash
 from hybrid2d.data.tokens import tokenize_corpus
 from hybrid2d.errors import ConfigError
@@ -150,7 +151,11 @@ class RunData:
     preview: dict | None = None  # packed: the figures of the first PREVIEW_STEPS steps' rows
 
     def describe(self) -> str:
-        if isinstance(self.loader, MixtureLoader):
+        if isinstance(self.loader, StreamingLoader):
+            parts = [f"data: text from {self.loader.cfg.path or 'the built-in corpus'!r}, "
+                     "streamed: each dp rank's reader thread tokenizes its share of the "
+                     "documents; windows in stream order"]  # fmt: skip
+        elif isinstance(self.loader, MixtureLoader):
             mix = ", ".join(
                 f"{s.name} {w:.0%} ({len(ds)} samples)"
                 for s, w, ds in zip(self.loader.sources, self.loader.weights,
@@ -188,10 +193,15 @@ class RunData:
             out["packing"] = self.loader.served.to_dict()
         if isinstance(self.loader, MixtureLoader):  # per source, over every launch of the run
             out["mixture"] = self.loader.summary()
+        if isinstance(self.loader, StreamingLoader):  # this launch's steps
+            out["data_wait_s_total"] = round(self.loader.data_wait_total_s, 4)
         return out
 
     def scalars(self) -> dict[str, float]:
-        """TensorBoard's data figures after a step: tokens seen per mixture source."""
+        """TensorBoard's data figures after a step: tokens seen per mixture source; streaming,
+        the step's data wait (seconds the longest-waiting dp rank waited for its reader)."""
+        if isinstance(self.loader, StreamingLoader):  # the longest over dp
+            return {"perf/data_wait_s": self.loader.data_wait_s}
         if not isinstance(self.loader, MixtureLoader):
             return {}
         return {f"data/tokens_{n}": float(v) for n, v in self.loader.tokens_seen().items()}
@@ -335,13 +345,16 @@ def _val_config(data):
 
 
 def build_run_data(
-    cfg: JobConfig, layout: RunLayout, dp_rank: int, is_main: bool, barrier: Callable[[], None]
-) -> RunData:
+    cfg: JobConfig, layout: RunLayout, dp_rank: int, is_main: bool, barrier: Callable[[], None],
+    all_gather: Callable[[object], list] | None = None,
+) -> RunData:  # fmt: skip
     """Loader for this dp rank, tokenizer, validation set; the tokenizer, the vocabulary size
     and the batch split are the layout's. Every process must call it (it calls barrier())."""
     d, t = dataclasses.replace(cfg.data, tokenizer=layout.tokenizer), cfg.train
     vocab_size = layout.model.vocab_size
     cache_dir = cache_dir_for(cfg)
+    if d.streaming:
+        return _streaming_run_data(cfg, d, layout, dp_rank, all_gather)
     if d.mixture:
         return _mixture_run_data(cfg, d, layout, dp_rank, is_main, barrier)
     # Cheap checks on every rank first, so a bad data.path fails everywhere at once instead of
@@ -486,6 +499,33 @@ def _mixture_run_data(
         val = EvalSet(val_ds, repr(d.val_path))
         stats["val_samples"] = len(val_ds)
     return RunData(loader, tok, val, "text", stats)
+
+
+def _streaming_run_data(cfg: JobConfig, d, layout: RunLayout, dp_rank: int, all_gather):
+    """RunData whose loader tokenizes data.path on the fly (stream.py); nothing is cached."""
+    why = None
+    if d.mixture:
+        why = "data.mixture is set; streaming reads one data.path"
+    elif is_preprocessed(d.path):
+        why = f"data.path={d.path!r} is tokenized already (shards are read directly)"
+    elif d.val_fraction or d.val_path:
+        why = "validation data (data.val_path, data.val_fraction) is not read while streaming yet"
+    elif not d.tokenizer:
+        why = "data.tokenizer is '' and a BPE would be trained on the whole corpus first; set it"
+    elif check_kinds(cfg, d, None) != "text":
+        why = f"data.path={d.path!r} is instruction data; streaming is for text"
+    if why:
+        raise ConfigError(f"data.streaming=true: {why}; or leave data.streaming at false")
+    if layout.dp > 1 and all_gather is None:
+        raise ValueError("streaming over dp > 1 needs all_gather over the dp group")
+    gather = all_gather or (lambda obj: [obj])
+    cache_dir = cache_dir_for(cfg)
+    tok = load_or_train_tokenizer(d, layout.model.vocab_size, cache_dir, build=False)
+    source_files(d, "data.path")  # a missing path is one line now, not in the reader thread
+    eos = eos_id(tok) if d.document_mask == "on" else None
+    loader = StreamingLoader(d, tok, layout, cfg.train.seq_len, dp_rank, gather, eos)
+    stats = {"document_mask": d.document_mask, "streaming": True}
+    return RunData(loader, tok, None, "text", stats)
 
 
 def build_data(
