@@ -32,7 +32,7 @@ def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("stream")
     texts = stdlib_texts(400, 40_000)
     make_tokenizer(root / "tok.json", texts[:6], bos=True)
-    # 42 documents of 30 to 1,950 characters: rounds of 1, 2 and 3 ranks end at odd places.
+    # 42 documents of 30 to 1,950 characters.
     docs = [t[i : i + 30 + i % 1970] for t in texts for i in range(0, len(t), 1400)]
     (root / "c").mkdir()
     write_jsonl(root / "c" / "a.jsonl", docs[:20])
@@ -68,10 +68,15 @@ class Group:
         return all_gather
 
 
-def loaders(cfg, dp: int):
+def loaders(cfg, dp: int, round_docs: int = 3):
+    """dp loaders whose ranks tokenize `round_docs` documents per round (the stream does not
+    depend on it; small, so that rounds end at odd places in 42 documents)."""
     layout, group = RunLayout.build(cfg, dp), Group(dp)
-    return [build_run_data(cfg, layout, r, False, lambda: None, group.member(r)).loader
-            for r in range(dp)]  # fmt: skip
+    out = [build_run_data(cfg, layout, r, False, lambda: None, group.member(r)).loader
+           for r in range(dp)]  # fmt: skip
+    for ld in out:
+        ld.round_docs = round_docs
+    return out
 
 
 def run_steps(dp_loaders, n: int) -> list:
@@ -118,13 +123,13 @@ def test_windows_are_the_inline_streams_in_order_across_epochs_and_dp(corpus, do
 
 def test_a_resume_on_another_dp_size_continues_the_straight_run(corpus):
     cfg = job(corpus)
-    straight = run_steps(loaders(cfg, 1), 8)
+    straight = run_steps(loaders(cfg, 1, round_docs=64), 8)
     three = loaders(cfg, 3)
     first = run_steps(three, 5)
     assert all(torch.equal(joined(a), joined(b)) for a, b in zip(first, straight[:5], strict=True))
     assert three[0].state_dict() == three[2].state_dict()
     assert max(ld.data_wait_s for ld in three) >= 0
-    two = loaders(cfg, 2)
+    two = loaders(cfg, 2, round_docs=2)
     for ld in two:
         ld.load_state_dict(three[1].state_dict())
     rest = run_steps(two, 3)

@@ -34,16 +34,21 @@ from hybrid2d.data.tokens import encode_chunks
 from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
 
-AHEAD_DOCS = 512  # documents a reader tokenizes ahead of the step that needs them
+ROUND_DOCS = 64  # documents each rank tokenizes per round (one all-gather)
+AHEAD_ROUNDS = 8  # rounds a reader tokenizes ahead of the step that needs them
 _END = "end"
 
 
 class _Reader:
-    """A thread that encodes documents start + r, start + r + dp, ... (r = dp_rank) into a
-    bounded queue: (document index, ids), then _END (or the exception reading raised)."""
+    """A thread that encodes this rank's groups of `per_round` documents (group g, counted from
+    `start`, belongs to rank g % dp) into a bounded queue, a list of id arrays per group, then
+    _END (or the exception reading raised)."""
 
-    def __init__(self, cfg: DataConfig, tok: Tokenizer, start: int, dp_rank: int, dp: int):
-        self.queue: queue.Queue = queue.Queue(maxsize=AHEAD_DOCS)
+    def __init__(
+        self, cfg: DataConfig, tok: Tokenizer, start: int, dp_rank: int, dp: int, per_round: int
+    ):  # fmt: skip
+        self.per_round = per_round
+        self.queue: queue.Queue = queue.Queue(maxsize=AHEAD_ROUNDS)
         self.stop = threading.Event()
         self.thread = threading.Thread(
             target=self._run, args=(cfg, tok, start, dp_rank, dp), daemon=True,
@@ -51,12 +56,13 @@ class _Reader:
         )  # fmt: skip
         self.thread.start()
 
-    def _mine(self, cfg: DataConfig, start: int, dp_rank: int, dp: int, indices: list):
+    def _mine(self, cfg: DataConfig, start: int, dp_rank: int, dp: int, groups: list):
         for d, doc in enumerate(corpus_documents(cfg)):
             if self.stop.is_set():
                 return
-            if d >= start and (d - start) % dp == dp_rank:
-                indices.append(d)
+            group = (d - start) // self.per_round
+            if d >= start and group % dp == dp_rank:
+                groups.append(group)
                 yield doc
 
     def _put(self, item) -> bool:
@@ -69,13 +75,20 @@ class _Reader:
         return False
 
     def _run(self, cfg, tok, start, dp_rank, dp) -> None:
-        indices: list[int] = []
+        groups: list[int] = []  # the group of each document read, in order
+        current, docs = None, []
         try:
-            for ids, lengths in encode_chunks(self._mine(cfg, start, dp_rank, dp, indices), tok):
+            for ids, lengths in encode_chunks(self._mine(cfg, start, dp_rank, dp, groups), tok):
                 for doc_ids in np.split(ids, np.cumsum(lengths)[:-1]):
-                    if not self._put((indices.pop(0), doc_ids)):
-                        return
-            self._put(_END)
+                    group = groups.pop(0)
+                    if group != current and docs:
+                        if not self._put(docs):
+                            return
+                        docs = []
+                    current = group
+                    docs.append(doc_ids)
+            if (not docs or self._put(docs)) and self._put(_END):
+                return
         except Exception as e:  # handed to the training thread, which raises it
             self._put(e)
 
@@ -101,6 +114,7 @@ class StreamingLoader:
         self.dp_rank, self.dp_size = dp_rank, layout.dp
         self.all_gather = all_gather
         self.eos = eos
+        self.round_docs = ROUND_DOCS  # the stream does not depend on it (tests make it small)
         self.samples_consumed = 0
         self.epoch = 0
         self.window = 0  # windows of this epoch taken
@@ -109,20 +123,25 @@ class StreamingLoader:
         self.data_wait_s = 0.0  # the last step's longest wait for a reader, over dp
         self.data_wait_total_s = 0.0
         self._reader: _Reader | None = None
-        self._docs: collections.deque = collections.deque()  # (index, ids) from self.doc on
+        self._docs: collections.deque = collections.deque()  # ids of self.doc on
+        self._buffered = 0  # tokens in self._docs
         self._exhausted = False
         self._step_wait = 0.0  # this rank's seconds waiting for its reader in this step
 
     def _restart(self) -> None:
         if self._reader is not None:
             self._reader.close()
-        self._reader = _Reader(self.cfg, self.tok, self.doc, self.dp_rank, self.dp_size)
+        self._reader = _Reader(
+            self.cfg, self.tok, self.doc, self.dp_rank, self.dp_size, self.round_docs
+        )
         self._docs.clear()
+        self._buffered = 0
         self._exhausted = False
 
     def _round(self, waits: list[float]) -> None:
-        """One document from every rank, appended in order; `waits` becomes every rank's wait
-        for its reader in this step so far. A reading error on any rank is raised on all."""
+        """A group of documents from every rank, appended in order; `waits` becomes every
+        rank's wait for its reader in this step so far. A reading error on any rank is raised
+        on all."""
         t0 = time.perf_counter()
         item = self._reader.queue.get()
         self._step_wait += time.perf_counter() - t0
@@ -134,11 +153,12 @@ class StreamingLoader:
             if isinstance(item, str):
                 self._exhausted = True
             else:
-                self._docs.append(item)
+                self._docs.extend(item)
+                self._buffered += sum(len(ids) for ids in item)
         waits[:] = [w for _, w in got]
 
     def _available(self) -> int:
-        return sum(len(ids) for _, ids in self._docs) - self.skip
+        return self._buffered - self.skip
 
     def _take(self, count: int, waits: list[float]) -> list[np.ndarray]:
         """The next `count` windows of this epoch, fewer at its end."""
@@ -148,12 +168,12 @@ class StreamingLoader:
         n = min(count, max(0, (self._available() - 1) // L))
         if n == 0:
             return []
-        flat = np.concatenate([ids for _, ids in self._docs])[self.skip : self.skip + n * L + 1]
+        flat = np.concatenate(self._docs)[self.skip : self.skip + n * L + 1]
         self.window += n
         self.skip += n * L
-        while self._docs and self.skip >= len(self._docs[0][1]):
-            self.skip -= len(self._docs[0][1])
-            self._docs.popleft()
+        while self._docs and self.skip >= len(self._docs[0]):
+            self.skip -= len(self._docs[0])
+            self._buffered -= len(self._docs.popleft())
             self.doc += 1
         return [flat[i * L : i * L + L + 1] for i in range(n)]
 
