@@ -326,6 +326,7 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
         stopped = _steps(cfg, trainer, data, ckpt, memory, preemption, progress)
     finally:
         preemption.close()
+        data.close()  # streaming: its reader threads stop before the interpreter does
         ckpt.close()  # waits for an async save still being written
         memory.close()
         progress.close()

@@ -79,19 +79,28 @@ def loaders(cfg, dp: int, round_docs: int = 3):
     return out
 
 
-def run_steps(dp_loaders, n: int) -> list:
-    """n steps on every rank (a thread each): per step, the ranks' micro batches in rank order."""
+def run_steps(dp_loaders, n: int, raises: bool = False) -> list:
+    """n steps on every rank (a thread each): per step, the ranks' micro batches in rank order.
+    With `raises`, every rank must have failed: the first one's error is raised."""
     out = [[None] * n for _ in dp_loaders]
+    errors = []
 
     def rank(r):
-        for s in range(n):
-            out[r][s] = dp_loaders[r].next_batch()
+        try:
+            for s in range(n):
+                out[r][s] = dp_loaders[r].next_batch()
+        except Exception as e:
+            errors.append(e)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(dp_loaders))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=120)
+    if raises:
+        assert len(errors) == len(dp_loaders) and not any(t.is_alive() for t in threads)
+        raise errors[0]
+    assert not errors, errors
     return [[m for r in range(len(dp_loaders)) for m in out[r][s]] for s in range(n)]
 
 
@@ -152,7 +161,14 @@ def test_bad_streaming_settings_are_one_line(corpus, tmp_path):
     assert "data.mixture is set" in error(mixture=f"a={corpus / 'c'}:1")
     (tmp_path / "i.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
     assert "instruction data" in error(path=str(tmp_path / "i.jsonl"))
+    (tmp_path / "bad").mkdir()  # a line that is not JSON, found by the reader thread
+    (tmp_path / "bad" / "a.jsonl").write_text('{"text": "fine"}\n{"text": \n')
     cfg = job(corpus)
+    cfg.data.path = str(tmp_path / "bad")
+    dp2 = loaders(cfg, 2)
+    with pytest.raises(ConfigError) as e:  # on every rank, not a hang of the other
+        run_steps(dp2, 1, raises=True)
+    one_line(e, "a.jsonl:2")
     cfg.data.path = str(tmp_path / "none.txt")
     with pytest.raises(ConfigError) as e:
         loaders(cfg, 1)

@@ -197,6 +197,11 @@ class RunData:
             out["data_wait_s_total"] = round(self.loader.data_wait_total_s, 4)
         return out
 
+    def close(self) -> None:
+        """Stop what reads in the background (streaming's reader threads)."""
+        if isinstance(self.loader, StreamingLoader):
+            self.loader.close()
+
     def scalars(self) -> dict[str, float]:
         """TensorBoard's data figures after a step: tokens seen per mixture source; streaming,
         the step's data wait (seconds the longest-waiting dp rank waited for its reader)."""
