@@ -257,6 +257,13 @@ class DataConfig:
     # (the Python standard library's sources, present wherever Python is); or the shards
     # tools/tokenize_corpus.py wrote (a directory with token-index.json), read memory-mapped.
     path: str = ""
+    # Several text sources trained on together, each sample drawn by weight:
+    # name=path:weight,... (web=/data/web-tok:0.7,code=/data/code-tok:0.3); each path is what
+    # data.path takes for text. "" (default): data.path alone. Set, data.path stays "".
+    mixture: str = ""
+    # Text data.path tokenized on the fly instead of cached first: each dp rank's background
+    # thread tokenizes its share of the documents; windows in stream order (not shuffled).
+    streaming: bool = False
     # The field holding the text in .jsonl and .parquet files.
     text_field: str = "text"
     # tokenizer.json or a HF model directory; "" trains a byte-level BPE of the model's vocab

@@ -335,7 +335,7 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
     print0(describe_plan(plan))
     # A bad --checkpoint.resume fails here, on every rank, before data and model are built.
     resume_from = find_resume(ran, run_dir)
-    data = build_run_data(cfg, layout, mesh.dp_rank, main, dist.barrier)
+    data = build_run_data(cfg, layout, mesh.dp_rank, main, dist.barrier, _dp_all_gather(mesh))
     print0(data.describe())
     trainer = Trainer(cfg, mesh, resuming=resume_from is not None)
     states = trainer.checkpoint_states() | {f"{TRAINER}.data": data.loader}
@@ -360,6 +360,7 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
         stopped = _steps(cfg, trainer, data, ckpt, memory, traces, preemption, progress, balance)
     finally:
         preemption.close()
+        data.close()  # streaming: its reader threads stop before the interpreter does
         ckpt.close()  # waits for an async save still being written
         memory.close()
         traces.close()
@@ -392,6 +393,18 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
     return summary
 
 
+def _dp_all_gather(mesh: Mesh):
+    """all_gather(obj) -> every dp rank's obj in dp order (streaming's documents per round)."""
+    group = mesh.dp_mesh.get_group()
+
+    def all_gather(obj) -> list:
+        out = [None] * mesh.dp
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    return all_gather
+
+
 def _steps(
     cfg, trainer, data, ckpt, memory, traces, preemption, progress, balance
 ) -> NonFiniteError | None:
@@ -408,7 +421,7 @@ def _steps(
                     result = trainer.train_step(batch)
         except NonFiniteError as e:
             return e
-        progress.step(result, memory.scalars())
+        progress.step(result, memory.scalars() | data.scalars())
         last = trainer.step in (cfg.train.steps, cfg.checkpoint.stop_after)
         every = cfg.train.eval_every
         if data.val is not None and ((every and result.step % every == 0) or last):

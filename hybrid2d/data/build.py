@@ -40,9 +40,11 @@ from hybrid2d.data.instruct import (
     sample_texts,
 )
 from hybrid2d.data.loader import GlobalBatchLoader, PackingCounts
+from hybrid2d.data.mixture import MixtureLoader, parse_mixture
 from hybrid2d.data.packing import PackedDataset
 from hybrid2d.data.rows import first_fit_decreasing
 from hybrid2d.data.shards import TOKENIZER, TOOL, is_preprocessed, open_shards
+from hybrid2d.data.stream import StreamingLoader
 from hybrid2d.data.tokenizer import (
     eos_id,
     load_or_train_tokenizer,
@@ -158,7 +160,19 @@ class RunData:
     tokenizer_dir: str = ""
 
     def describe(self) -> str:
-        parts = [f"data: {self.kind}, {len(self.loader.dataset)} training samples"]
+        if isinstance(self.loader, StreamingLoader):
+            parts = [f"data: text from {self.loader.cfg.path or 'the built-in corpus'!r}, "
+                     "streamed: each dp rank's reader thread tokenizes its share of the "
+                     "documents; windows in stream order"]  # fmt: skip
+        elif isinstance(self.loader, MixtureLoader):
+            mix = ", ".join(
+                f"{s.name} {w:.0%} ({len(ds)} samples)"
+                for s, w, ds in zip(self.loader.sources, self.loader.weights,
+                                    self.loader.datasets, strict=True)
+            )  # fmt: skip
+            parts = [f"data: text, a mixture of {mix}, each sample drawn by weight"]
+        else:
+            parts = [f"data: {self.kind}, {len(self.loader.dataset)} training samples"]
         if self.kind == "instruct":
             stats = InstructStats(**self.stats["train_stats"])
             parts.append(stats.describe(padded=self.layout == "padded"))
@@ -186,7 +200,25 @@ class RunData:
         out |= {k: v for k, v in self.stats.items() if k not in ("train_stats", "val_samples")}
         if self.layout == "packed":
             out["packing"] = self.loader.served.to_dict()
+        if isinstance(self.loader, MixtureLoader):  # per source, over every launch of the run
+            out["mixture"] = self.loader.summary()
+        if isinstance(self.loader, StreamingLoader):  # this launch's steps
+            out["data_wait_s_total"] = round(self.loader.data_wait_total_s, 4)
         return out
+
+    def close(self) -> None:
+        """Stop what reads in the background (streaming's reader threads)."""
+        if isinstance(self.loader, StreamingLoader):
+            self.loader.close()
+
+    def scalars(self) -> dict[str, float]:
+        """TensorBoard's data figures after a step: tokens seen per mixture source; streaming,
+        the step's data wait (seconds the longest-waiting dp rank waited for its reader)."""
+        if isinstance(self.loader, StreamingLoader):  # the longest over dp
+            return {"perf/data_wait_s": self.loader.data_wait_s}
+        if not isinstance(self.loader, MixtureLoader):
+            return {}
+        return {f"data/tokens_{n}": float(v) for n, v in self.loader.tokens_seen().items()}
 
 
 def data_kind(cfg: JobConfig, files: list[pathlib.Path], setting: str = "data.path") -> str:
@@ -330,13 +362,18 @@ def _val_config(data):
 
 
 def build_run_data(
-    cfg: JobConfig, layout: RunLayout, dp_rank: int, is_main: bool, barrier: Callable[[], None]
-) -> RunData:
+    cfg: JobConfig, layout: RunLayout, dp_rank: int, is_main: bool, barrier: Callable[[], None],
+    all_gather: Callable[[object], list] | None = None,
+) -> RunData:  # fmt: skip
     """Loader for this dp rank, tokenizer, validation set; the tokenizer, the vocabulary size
     and the batch split are the layout's. Every process must call it (it calls barrier())."""
     d, t = dataclasses.replace(cfg.data, tokenizer=layout.tokenizer), cfg.train
     vocab_size = layout.model.vocab_size
     cache_dir = cache_dir_for(cfg)
+    if d.streaming:
+        return _streaming_run_data(cfg, d, layout, dp_rank, all_gather)
+    if d.mixture:
+        return _mixture_run_data(cfg, d, layout, dp_rank, is_main, barrier)
     # Cheap checks on every rank first, so a bad data.path fails everywhere at once instead of
     # leaving the other ranks waiting at the barrier for a main process that already died.
     val_cfg = _val_config(d)
@@ -409,6 +446,111 @@ def build_run_data(
         stats["document_mask"] = d.document_mask
     layout_name = "windows" if kind == "text" else d.packing
     return RunData(loader, tok, val, kind, stats, layout_name, preview, tok_dir)
+
+
+def check_mixture(cfg: JobConfig, d) -> list:
+    """data.mixture's sources as DataConfigs (each path in data.path's place), checked on every
+    rank with file names, first lines and shard indexes alone: each is text, exists, and the
+    preprocessed ones were made with one tokenizer."""
+    sources = parse_mixture(d.mixture)
+    for setting, value, fix in (
+        ("data.path", d.path, "leave data.path at '' and list every source in data.mixture"),
+        ("data.val_fraction", d.val_fraction, "give held-out text as data.val_path"),
+    ):
+        if value:
+            raise ConfigError(f"{setting}={value!r} is set beside data.mixture; {fix}")
+    if not d.tokenizer:
+        raise ConfigError(
+            f"data.tokenizer is '' (a BPE trained on data.path), but data.mixture={d.mixture!r} "
+            "has no single corpus to train one on; set data.tokenizer (a preprocessed source's "
+            "DIR/tokenizer.json, or a HF model directory)"
+        )
+    configs, hashes = [], {}
+    for src in sources:
+        setting = f"data.mixture[{src.name}]"
+        sd = dataclasses.replace(d, path=src.path, mixture="", val_path="", val_fraction=0.0)
+        if not pathlib.Path(src.path).expanduser().exists():
+            raise ConfigError(
+                f"{setting}={src.path!r} does not exist; give a preprocessed shard directory or "
+                "a .txt/.jsonl/.parquet file or directory of them"
+            )
+        if _kind(cfg, sd, setting) != "text":
+            raise ConfigError(
+                f"{setting}={src.path!r} is {_KIND_NAME['instruct']}; a mixture draws text "
+                "windows: give text sources, or train on instruction data through data.path"
+            )
+        if is_preprocessed(src.path):
+            hashes[src.name] = open_shards(src.path, setting).index["tokenizer_hash"]
+        configs.append(sd)
+    if len(set(hashes.values())) > 1:
+        listed = ", ".join(f"{n}: {h}" for n, h in hashes.items())
+        raise ConfigError(
+            f"data.mixture={d.mixture!r}: its sources were tokenized with different tokenizers "
+            f"({listed}); tokenize every source with the one data.tokenizer"
+        )
+    return list(zip(sources, configs, strict=True))
+
+
+def _mixture_run_data(
+    cfg: JobConfig, d, layout: RunLayout, dp_rank: int, is_main: bool, barrier
+) -> RunData:  # fmt: skip
+    """RunData whose loader draws each sample from one of data.mixture's sources by weight."""
+    vocab_size, cache_dir = layout.model.vocab_size, cache_dir_for(cfg)
+    tok_dir = d.tokenizer  # required by check_mixture
+    sources = check_mixture(cfg, d)
+    val_cfg = _val_config(d)
+    if val_cfg is not None and _kind(cfg, val_cfg, "data.val_path") != "text":
+        raise ConfigError(
+            f"data.val_path={d.val_path!r} is {_KIND_NAME['instruct']}, but data.mixture is "
+            "text; give held-out text"
+        )
+    load_or_train_tokenizer(d, vocab_size, cache_dir, build=False)
+    if is_main:  # inline sources are tokenized once, by this process
+        tok = load_or_train_tokenizer(d, vocab_size, cache_dir)
+        for src, sd in sources:
+            _dataset(cfg, sd, tok, tok_dir, cache_dir, f"data.mixture[{src.name}]", build=True)
+        if val_cfg is not None:
+            _dataset(cfg, val_cfg, tok, tok_dir, cache_dir, "data.val_path", build=True)
+    barrier()
+    tok = load_or_train_tokenizer(d, vocab_size, cache_dir, build=False)
+    datasets = [
+        _dataset(cfg, sd, tok, tok_dir, cache_dir, f"data.mixture[{src.name}]", build=False)[0]
+        for src, sd in sources
+    ]
+    loader = MixtureLoader([s for s, _ in sources], datasets, layout, dp_rank, cfg.train.seed)
+    val, stats = None, {"document_mask": d.document_mask}
+    if val_cfg is not None:
+        val_ds, _ = _dataset(cfg, val_cfg, tok, tok_dir, cache_dir, "data.val_path", build=False)
+        val = EvalSet(val_ds, repr(d.val_path))
+        stats["val_samples"] = len(val_ds)
+    return RunData(loader, tok, val, "text", stats, tokenizer_dir=tok_dir)
+
+
+def _streaming_run_data(cfg: JobConfig, d, layout: RunLayout, dp_rank: int, all_gather):
+    """RunData whose loader tokenizes data.path on the fly (stream.py); nothing is cached."""
+    why = None
+    if d.mixture:
+        why = "data.mixture is set; streaming reads one data.path"
+    elif is_preprocessed(d.path):
+        why = f"data.path={d.path!r} is tokenized already (shards are read directly)"
+    elif d.val_fraction or d.val_path:
+        why = "validation data (data.val_path, data.val_fraction) is not read while streaming yet"
+    elif not d.tokenizer:
+        why = "data.tokenizer is '' and a BPE would be trained on the whole corpus first; set it"
+    elif check_kinds(cfg, d, None) != "text":
+        why = f"data.path={d.path!r} is instruction data; streaming is for text"
+    if why:
+        raise ConfigError(f"data.streaming=true: {why}; or leave data.streaming at false")
+    if layout.dp > 1 and all_gather is None:
+        raise ValueError("streaming over dp > 1 needs all_gather over the dp group")
+    gather = all_gather or (lambda obj: [obj])
+    cache_dir = cache_dir_for(cfg)
+    tok = load_or_train_tokenizer(d, layout.model.vocab_size, cache_dir, build=False)
+    source_files(d, "data.path")  # a missing path is one line now, not in the reader thread
+    eos = eos_id(tok) if d.document_mask == "on" else None
+    loader = StreamingLoader(d, tok, layout, cfg.train.seq_len, dp_rank, gather, eos)
+    stats = {"document_mask": d.document_mask, "streaming": True}
+    return RunData(loader, tok, None, "text", stats, tokenizer_dir=d.tokenizer)
 
 
 def build_data(

@@ -58,10 +58,15 @@ class PackedDataset:
         """
         idx = np.asarray(indices, dtype=np.int64)
         windows = self.tokens[idx[:, None] * self.seq_len + self._offsets]
-        windows = torch.from_numpy(windows.astype(np.int64))
-        inputs, labels = windows[:, :-1], windows[:, 1:]
-        documents = None
-        if self.eos is not None:
-            ends = (inputs == self.eos).long()
-            documents = ends.cumsum(1) - ends  # an EOS belongs to the document it ends
-        return Batch(inputs, labels, documents)
+        return windows_batch(torch.from_numpy(windows.astype(np.int64)), self.eos)
+
+
+def windows_batch(windows: torch.Tensor, eos: int | None) -> Batch:
+    """Windows [b, seq_len + 1] as a Batch: inputs, next-token labels and, with `eos` (document
+    masking), each position's document within its window."""
+    inputs, labels = windows[:, :-1], windows[:, 1:]
+    documents = None
+    if eos is not None:
+        ends = (inputs == eos).long()
+        documents = ends.cumsum(1) - ends  # an EOS belongs to the document it ends
+    return Batch(inputs, labels, documents)

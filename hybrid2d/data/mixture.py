@@ -1,0 +1,187 @@
+"""Several text sources trained on together, each global sample drawn from one by weight.
+
+data.mixture reads `name=path:weight,...` (`web=/data/web-tok:0.7,code=/data/code-tok:0.3`);
+each path is what data.path takes for text (a preprocessed shard directory, or files tokenized
+inline). Global sample position p comes from source src(p), drawn with the source's weight from
+a generator seeded by (train.seed, p // BLOCK): the choice of every position is fixed by the
+seed alone, whatever the mesh. Within a source the samples follow that source's own epoch
+permutations (GlobalBatchLoader's order, seeded per source), and the k-th sample a source gives
+is its k-th in that order. The loader's state is the global position plus each source's count of
+samples taken, so a resume, on any dp size, continues with the samples a straight run sees.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hybrid2d.data.batch import Batch
+from hybrid2d.data.loader import GlobalBatchLoader
+from hybrid2d.errors import ConfigError
+from hybrid2d.layout import RunLayout
+
+BLOCK = 4096  # positions whose sources one generator draws
+SPELLING = "name=path:weight,... (e.g. web=/data/web-tok:0.7,code=/data/code-tok:0.3)"
+
+
+@dataclass(frozen=True)
+class Source:
+    name: str
+    path: str
+    weight: float
+
+
+def parse_mixture(value: str) -> list[Source]:
+    """data.mixture's sources; each malformed part is one ConfigError line naming it."""
+    sources: list[Source] = []
+    for part in value.split(","):
+        name, eq, rest = part.strip().partition("=")
+        path, colon, weight_text = rest.rpartition(":")
+        if not (eq and colon and name.strip() and path.strip()):
+            raise ConfigError(
+                f"data.mixture={value!r}: {part.strip()!r} is not name=path:weight; "
+                f"write {SPELLING}"
+            )
+        try:
+            weight = float(weight_text)
+        except ValueError:
+            weight = float("nan")
+        if not weight > 0 or not np.isfinite(weight):
+            raise ConfigError(
+                f"data.mixture={value!r}: source {name.strip()!r} has weight {weight_text!r}; "
+                "a weight must be a positive number (weights are normalized to sum to 1)"
+            )
+        sources.append(Source(name.strip(), path.strip(), weight))
+    names = [s.name for s in sources]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"data.mixture={value!r} names a source twice; give each its own name")
+    return sources
+
+
+def _block_seed(seed: int, block: int) -> int:
+    digest = hashlib.blake2b(f"mixture/{seed}/{block}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # manual_seed takes a non-negative int64
+
+
+class MixtureLoader:
+    """GlobalBatchLoader's interface over several text datasets of one seq_len: step s covers
+    global positions [consumed, consumed + global_batch); rank r takes rows
+    [r*B/dp, (r+1)*B/dp) of it, each row the next unseen sample of the source drawn for it."""
+
+    def __init__(
+        self, sources: list[Source], datasets: list, layout: RunLayout, dp_rank: int, seed: int = 0
+    ):  # fmt: skip
+        if not 0 <= dp_rank < layout.dp:
+            raise ValueError(f"dp_rank={dp_rank} is not in [0, dp={layout.dp})")
+        self.sources = sources
+        self.names = [s.name for s in sources]
+        weights = np.array([s.weight for s in sources], dtype=np.float64)
+        self.weights = weights / weights.sum()
+        self._cum = np.cumsum(self.weights)
+        self.datasets = datasets
+        self.seq_len = datasets[0].seq_len
+        # Each source's order: its own epoch permutations, seeded apart from the others'.
+        self.orders = [
+            GlobalBatchLoader(ds, layout, 0, seed=seed + 7919 * (i + 1))
+            for i, ds in enumerate(datasets)
+        ]
+        self.global_batch = layout.global_batch
+        self.dp_rank = dp_rank
+        self.local_batch = layout.local_batch
+        self.micro_batch = layout.micro_batch
+        self.seed = seed
+        self.samples_consumed = 0
+        self.taken = np.zeros(len(sources), dtype=np.int64)  # samples of each source so far
+        self._blocks: dict[int, np.ndarray] = {}
+
+    def choices(self, start: int, count: int) -> np.ndarray:
+        """The source index of each global position in [start, start + count)."""
+        out = np.empty(count, dtype=np.int64)
+        pos = start
+        while pos < start + count:
+            block, within = divmod(pos, BLOCK)
+            drawn = self._blocks.get(block)
+            if drawn is None:
+                g = torch.Generator().manual_seed(_block_seed(self.seed, block))
+                u = torch.rand(BLOCK, generator=g, dtype=torch.float64).numpy()
+                drawn = np.minimum(np.searchsorted(self._cum, u, side="right"), len(self._cum) - 1)
+                self._blocks = {b: d for b, d in self._blocks.items() if b >= block - 1}
+                self._blocks[block] = drawn
+            n = min(BLOCK - within, start + count - pos)
+            out[pos - start : pos - start + n] = drawn[within : within + n]
+            pos += n
+        return out
+
+    def _rows(self, consumed: int, taken: np.ndarray, lo: int, count: int) -> Batch:
+        """Rows [lo, lo + count) of the step at `consumed`, whose sources stood at `taken`."""
+        src = self.choices(consumed, self.global_batch)
+        parts, order = [], np.empty(count, dtype=np.int64)
+        done = 0
+        for s in range(len(self.datasets)):
+            mine = np.flatnonzero(src == s)  # the step's rows from source s, in order
+            before = np.searchsorted(mine, lo)  # of them, rows before this rank's
+            rows = mine[(mine >= lo) & (mine < lo + count)]
+            if not len(rows):
+                continue
+            first = int(taken[s]) + int(before)
+            indices = self.orders[s].sample_indices(first, len(rows))
+            parts.append(self.datasets[s].gather(indices))
+            order[rows - lo] = np.arange(done, done + len(rows))
+            done += len(rows)
+        fields = []
+        for got in zip(*parts, strict=True):
+            fields.append(None if got[0] is None else torch.cat(got)[torch.from_numpy(order)])
+        return Batch(*fields)
+
+    def global_batch_at(self, consumed: int) -> Batch:
+        """All rows of the step at `consumed` (counted from the start: for tests)."""
+        taken = np.bincount(self.choices(0, consumed), minlength=len(self.datasets))
+        return self._rows(consumed, taken, 0, self.global_batch)
+
+    def next_batch(self) -> list[Batch]:
+        """This rank's micro batches for the next step; advances state."""
+        lo = self.dp_rank * self.local_batch
+        batch = self._rows(self.samples_consumed, self.taken, lo, self.local_batch)
+        step = self.choices(self.samples_consumed, self.global_batch)
+        self.taken = self.taken + np.bincount(step, minlength=len(self.datasets))
+        self.samples_consumed += self.global_batch
+        mb = self.micro_batch
+        return [batch.rows(i, i + mb) for i in range(0, self.local_batch, mb)]
+
+    def tokens_seen(self) -> dict[str, int]:
+        """Label tokens each source gave so far (global, every launch of the run)."""
+        return {n: int(k) * self.seq_len for n, k in zip(self.names, self.taken, strict=True)}
+
+    def summary(self) -> dict:
+        total = max(int(self.taken.sum()), 1)
+        return {
+            n: {
+                "weight": round(float(w), 6),
+                "samples": int(k),
+                "tokens": int(k) * self.seq_len,
+                "fraction": round(int(k) / total, 6),
+            }
+            for n, w, k in zip(self.names, self.weights, self.taken, strict=True)
+        }
+
+    def state_dict(self) -> dict:
+        return {
+            "samples_consumed": self.samples_consumed,
+            "seed": self.seed,
+            "mixture": {n: int(k) for n, k in zip(self.names, self.taken, strict=True)},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue after state["samples_consumed"] global samples, each source after its
+        count, on any dp size."""
+        if int(state["seed"]) != self.seed:
+            raise ConfigError(
+                f"train.seed={self.seed} differs from the checkpoint's data seed "
+                f"{state['seed']}; resume with --train.seed {state['seed']} to keep "
+                "the data order"
+            )
+        self.samples_consumed = int(state["samples_consumed"])
+        self.taken = np.array([int(state["mixture"][n]) for n in self.names], dtype=np.int64)
