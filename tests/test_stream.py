@@ -8,6 +8,9 @@ collective, which the trainer runs over the dp group.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -22,6 +25,7 @@ from hybrid2d.data.packing import PackedDataset
 from hybrid2d.data.tokens import encode_documents
 from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
+from tests.launch import REPO, launcher_env, torchrun
 from tests.test_shards import VOCAB, make_tokenizer, one_line, stdlib_texts, write_jsonl
 
 SEQ, BATCH = 37, 6
@@ -173,3 +177,36 @@ def test_bad_streaming_settings_are_one_line(corpus, tmp_path):
     with pytest.raises(ConfigError) as e:
         loaders(cfg, 1)
     one_line(e, "none.txt")
+
+
+@pytest.mark.slow
+def test_a_streamed_2x2_run_resumes_in_one_process_with_the_straight_runs_losses(corpus, tmp_path):
+    """Through the trainer: a streamed run on 2x2 (dp 2: two reader threads, the dp all-gather)
+    stopped after step 2 and resumed in one process (dp 1) trains on what a straight one-process
+    run trains on: the same losses at every step (to 1e-5: another mesh sums in another order);
+    the summary reports the data wait."""
+
+    def run(ranks, run_dir, *more):
+        recipe = ["recipes/llama.py", "--data.streaming", "true", "--data.path",
+                  str(corpus / "c"), "--data.tokenizer", str(corpus / "tok.json"),
+                  "--data.cache_dir", str(tmp_path / "cache"), "--model.vocab_size", str(VOCAB),
+                  "--train.seq_len", "64", "--train.global_batch", "4", "--train.steps", "4",
+                  "--metrics.run_dir", str(run_dir), "--metrics.progress_bar", "false",
+                  *more]  # fmt: skip
+        cmd = torchrun(ranks, *recipe, "--parallel.tp", "2") if ranks > 1 else [
+            sys.executable, *recipe]  # fmt: skip
+        proc = subprocess.run(cmd, cwd=REPO, env=launcher_env(), capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads((run_dir / "summary.json").read_text())
+
+    straight = run(1, tmp_path / "straight")
+    first = run(4, tmp_path / "split", "--checkpoint.stop_after", "2")
+    resumed = run(1, tmp_path / "split", "--checkpoint.resume", "auto")
+    assert first["mesh"]["dp_shard"] == 2 and first["mesh"]["tp"] == 2
+    assert resumed["first_step"] == 3 and resumed["mesh"]["dp_shard"] == 1
+    got = first["losses"] + resumed["losses"]
+    assert len(got) == 4
+    for g, want in zip(got, straight["losses"], strict=True):
+        assert abs(g - want) <= 1e-5 * abs(want), (got, straight["losses"])
+    assert first["data"]["data_wait_s_total"] >= 0
