@@ -117,13 +117,18 @@ class GlobalBatchLoader:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue after state["samples_consumed"] global samples, on any dp size."""
-        if int(state["seed"]) != self.seed:
-            raise ConfigError(
-                f"train.seed={self.seed} differs from the checkpoint's data seed "
-                f"{state['seed']}; resume with --train.seed {state['seed']} to keep "
-                "the data order"
-            )
+        check_data_seed(self.seed, state)
         self.samples_consumed = int(state["samples_consumed"])
+
+
+def check_data_seed(seed: int, state: dict) -> None:
+    """A loader's checkpointed state was drawn with train.seed: another seed would continue
+    with another order, so a resume with one is refused in one line."""
+    if int(state["seed"]) != seed:
+        raise ConfigError(
+            f"train.seed={seed} differs from the checkpoint's data seed {state['seed']}; "
+            f"resume with --train.seed {state['seed']} to keep the data order"
+        )
 
 
 class PackingCounts:

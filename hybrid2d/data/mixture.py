@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from hybrid2d.data.batch import Batch
-from hybrid2d.data.loader import GlobalBatchLoader
+from hybrid2d.data.loader import GlobalBatchLoader, check_data_seed
 from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
 
@@ -177,11 +177,6 @@ class MixtureLoader:
     def load_state_dict(self, state: dict) -> None:
         """Continue after state["samples_consumed"] global samples, each source after its
         count, on any dp size."""
-        if int(state["seed"]) != self.seed:
-            raise ConfigError(
-                f"train.seed={self.seed} differs from the checkpoint's data seed "
-                f"{state['seed']}; resume with --train.seed {state['seed']} to keep "
-                "the data order"
-            )
+        check_data_seed(self.seed, state)
         self.samples_consumed = int(state["samples_consumed"])
         self.taken = np.array([int(state["mixture"][n]) for n in self.names], dtype=np.int64)
