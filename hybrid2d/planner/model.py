@@ -34,6 +34,10 @@ Priced per rank and per optimizer step (b = micro batch, S = sequence, N = b*S t
                 per block and micro batch (`fsdp_block_overhead_s`; the host runs it)
     optimizer = AdamW (or SGD) over the rank's parameter shard plus clipping, memory-bound
 
+With LoRA (lora.rank > 0) the FLOPs are those a frozen base executes (`lora_flops`: no weight
+gradients of the base, the adapters' own matmuls), FSDP reduce-scatters and the optimizer
+steps the adapters only.
+
 Recompute, as counted in a real step (a dispatch counter on 1x2 and 2x1, docs/planner.md): full
 checkpointing reruns each block's forward up to the last tensor backward needs (matmuls but the
 down projection, attention, elementwise ops, and on tp > 1 both sequence gathers and the
@@ -60,14 +64,16 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from hybrid2d.config import JobConfig, ModelConfig
+from hybrid2d.config import JobConfig, LoraConfig, ModelConfig
 from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
 from hybrid2d.metrics import flops_per_token
 from hybrid2d.planner import ops
-from hybrid2d.planner.comm import analytic_step, unit_bytes
+from hybrid2d.planner.comm import analytic_step, lora_terms, unit_bytes
 from hybrid2d.planner.hardware import KINDS, Hardware, Link
+from hybrid2d.planner.lora_flops import lora_flops
 from hybrid2d.planner.memory import (
+    adapter_params,
     compute_dtype_bytes,
     estimate,
     fsdp_shard,
@@ -125,13 +131,20 @@ class Candidate:
 
 
 def flops(
-    m: ModelConfig, seq_len: int, activation_checkpoint: str, tp: int = 1
+    m: ModelConfig,
+    seq_len: int,
+    activation_checkpoint: str,
+    tp: int = 1,
+    lora: LoraConfig | None = None,
 ) -> dict[str, float]:
     """FLOPs per training token: the model's (flops_per_token, split into matmuls and attention),
-    what checkpointing recomputes (selective: the o projection when tp > 1, else none) and what
-    tp ranks compute twice: when tp exceeds the kv heads, each rank projects the one kv head its
-    query heads use, so the k and v projections run tp / kv_heads times over (per token of the
-    rank's share, 12 x dim x head_dim per block and head beyond the model's kv heads)."""
+    forward alone, what checkpointing recomputes (selective: the o projection when tp > 1, else
+    none) and what tp ranks compute twice: when tp exceeds the kv heads, each rank projects the
+    one kv head its query heads use, so the k and v projections run tp / kv_heads times over
+    (per token of the rank's share, 12 x dim x head_dim per block and head beyond the model's kv
+    heads). With LoRA (lora.rank > 0) what the step executes instead: `lora_flops`."""
+    if lora is not None and lora.rank:
+        return lora_flops(m, lora, seq_len, activation_checkpoint, tp)
     total = flops_per_token(m, seq_len)
     matmul = flops_per_token(m, 0)  # the attention term is proportional to the sequence
     attention = total - matmul
@@ -149,6 +162,8 @@ def flops(
         "model": total,
         "matmul": matmul,
         "attention": attention,
+        "forward_matmul": matmul / 3,
+        "forward_attention": attention / 3,
         "recompute_matmul": recompute_mm,
         "recompute_attention": recompute_attn,
         "replicated_matmul": 12.0 * m.n_layers * m.dim * m.head_dim * extra_kv,
@@ -196,12 +211,23 @@ def _key(m: ModelConfig) -> tuple:
     return tuple(sorted(dataclasses.asdict(m).items()))
 
 
+def _lora_key(lcfg: LoraConfig) -> tuple | None:
+    """The adapters' shape settings (None: full fine-tuning), a cache key."""
+    return (lcfg.rank, lcfg.target_names()) if lcfg.rank else None
+
+
 @functools.lru_cache(maxsize=256)
-def _local_params(key: tuple, tp: int, dp_shard: int) -> int:
+def _local_params(key: tuple, tp: int, dp_shard: int, lora: tuple | None = None) -> int:
     """Parameters rank 0 updates (its FSDP shard of its TP slice; rank 0 has the largest) of the
-    model `_key` gave (cached: the search asks for every candidate)."""
+    model `_key` gave: every weight, or with LoRA (`_lora_key`) the adapters only (cached: the
+    search asks for every candidate)."""
     m = ModelConfig(**dict(key))
-    return sum(fsdp_shard(tp_local_shape(p, tp), dp_shard, 0)[1] for p in model_params(m))
+    if lora:
+        rank, targets = lora
+        trained = adapter_params(m, LoraConfig(rank=rank, targets=",".join(targets)))
+    else:
+        trained = model_params(m)
+    return sum(fsdp_shard(tp_local_shape(p, tp), dp_shard, 0)[1] for p in trained)
 
 
 def group_inside_node(span: int, gpus_per_node: int) -> bool:
@@ -296,7 +322,7 @@ def predict_valid(
     comm_scale = 1.0 / core_part
 
     # ---- compute ----------------------------------------------------------------------------
-    f = flops(m, S, ac, T)
+    f = flops(m, S, ac, T, cfg.lora)
     rank_tokens = local * S / T  # tp ranks split the work of their dp group's tokens
     mm_flops = (f["matmul"] + f["recompute_matmul"] + f["replicated_matmul"]) * rank_tokens
     attn_flops = (f["attention"] + f["recompute_attention"]) * rank_tokens
@@ -340,13 +366,17 @@ def predict_valid(
     rs_count, rs_bytes = rs_count * syncs // n_micro, rs_bytes * syncs // n_micro
     block_ag, root_ag = unit_bytes(m, Sh, T, c)
     block_rs, root_rs = unit_bytes(m, Sh, T, 4)
+    if cfg.lora.rank:  # FSDP gathers the adapters with the base; only they have gradients
+        adapters = lora_terms(m, cfg.lora, Sh, T)["adapters_per_block"]
+        block_ag += adapters * c if Sh > 1 else 0
+        block_rs, root_rs = adapters * 4, 0
     if R > 1:  # HSDP: each unit's reduced shard is all-reduced across replicas, in fp32
-        if Sh > 1:
+        if Sh > 1 or cfg.lora.rank:
             unit_shard = [block_rs / Sh, root_rs / Sh]
         else:  # replicate only: whole gradients
             full = _local_params(_key(m), T, 1) * 4
             unit_shard = [full / (m.n_layers + 1)] * 2
-        ar_count = (m.n_layers + 1) * syncs
+        ar_count = (m.n_layers + (0 if cfg.lora.rank else 1)) * syncs
         ar_bytes = (m.n_layers * unit_shard[0] + unit_shard[1]) * syncs
     else:
         unit_shard, ar_count, ar_bytes = [0, 0], 0, 0
@@ -371,15 +401,16 @@ def predict_valid(
     # Per-op CPU cost of eager PyTorch: ops dispatched in the step x seconds per op. CPU: the
     # rank's thread runs it between kernels; GPU: the host runs ahead, so only what exceeds the
     # kernels' time is exposed.
-    op_counts = ops.step_ops(m, ac, n_micro, tp_count, ag_count, rs_count, len(model_params(m)))
+    trained = adapter_params(m, cfg.lora) if cfg.lora.rank else model_params(m)
+    op_counts = ops.step_ops(m, ac, n_micro, tp_count, ag_count, rs_count, len(trained))
     n_ops = sum(op_counts.values())
     dispatch_total = n_ops * hw.op_overhead_s / core_part
     kernels_s = matmul_s + attention_s + elementwise_s + checkpoint_s + block_residual_s
     dispatch_s = dispatch_total if hw.host_cores else max(0.0, dispatch_total - kernels_s)
     compute_s = kernels_s + dispatch_s
     forward_s = (
-        f["matmul"] / 3 * rank_tokens / mm_rate
-        + f["attention"] / 3 * rank_tokens / attn_rate
+        f["forward_matmul"] * rank_tokens / mm_rate
+        + f["forward_attention"] * rank_tokens / attn_rate
         + m.n_layers * block_fwd * n_micro / bandwidth
     )
     recompute_s = (
@@ -420,7 +451,7 @@ def predict_valid(
     fsdp_exposed += fsdp_hooks_s
 
     # ---- optimizer ----------------------------------------------------------------------------
-    n_params = _local_params(_key(m), T, Sh)
+    n_params = _local_params(_key(m), T, Sh, _lora_key(cfg.lora))  # what the optimizer steps
     # AdamW: read p, g, m, v and write p, m, v (fp32); SGD: read p, g, write p; clipping reads
     # the gradients for the norm and scales them in place.
     per_param = (28 if t.optimizer == "adamw" else 12) + 12
