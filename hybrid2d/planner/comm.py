@@ -17,6 +17,9 @@ from hybrid2d.config import LoraConfig, ModelConfig
 from hybrid2d.planner.memory import adapter_params, fsdp_shard, model_params, tp_local_shape
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# The int64 counts of a global batch the trainer sums over dp in one all-reduce: loss tokens,
+# real tokens, attended (query, key) pairs.
+SCALAR_COUNTS = 3
 
 
 def unit_bytes(m: ModelConfig, dp_shard: int, tp: int, elt: int) -> tuple[int, int]:
@@ -109,7 +112,10 @@ def analytic_step(
       (the last block and the root stay gathered); fsdp_reduce_scatter: each unit's gradients.
     - extras: tp_all_reduce = 3 for loss parallel (max, sum of exp, target logit over [b*s])
       and one per weight replicated over tp, whose gradient is a partial sum over tp
-      (`tp_replicated_grads`); scalar_all_reduce = the global grad norm and the logged loss.
+      (`tp_replicated_grads`); scalar_all_reduce = the squared global grad norm (fp64) over
+      the world and, with dp > 1, over dp the global batch's token counts (`SCALAR_COUNTS`
+      int64: loss tokens, real tokens, attended pairs; one all-reduce) and the logged loss
+      (fp32).
     - LoRA (`lora.rank` > 0, `lora_terms`): the frozen norms need no all-reduce; the adapters
       replicated over tp need one per step (fp32, their dp shards); FSDP gathers the adapters
       with the base (in `elt`) and reduce-scatters the adapters' gradients only (fp32, the
@@ -147,5 +153,7 @@ def analytic_step(
         before = out.get(k, (0, 0))
         out[k] = (before[0] + c, before[1] + size)
     if dp * tp > 1:
-        out["scalar_all_reduce"] = (2, 12) if dp > 1 else (1, 8)
+        grad_norm = 8
+        counts_and_loss = 8 * SCALAR_COUNTS + 4
+        out["scalar_all_reduce"] = (3, grad_norm + counts_and_loss) if dp > 1 else (1, grad_norm)
     return {k: v for k, v in out.items() if v[0]}
