@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 from hybrid2d.config import JobConfig, resolve_mixed_precision
+from hybrid2d.data.batch import Batch
 from hybrid2d.layout import MESH_DIMS, RunLayout
 from hybrid2d.mesh import build_mesh
 from hybrid2d.metrics import peak_rss_bytes
@@ -103,6 +104,14 @@ def _noise_init():
     return unittest.mock.patch.object(Llama, "init_weights", init_weights)
 
 
+def packed_rows(inputs: torch.Tensor, labels: torch.Tensor, per_row: int = 3) -> Batch:
+    """Rows of `per_row` documents each (the last takes what the others leave), as a packed
+    run's rows hold: the step builds each row's own mask and positions from them."""
+    rows, seq = inputs.shape
+    document = torch.arange(seq) * per_row // seq
+    return Batch(inputs, labels, document.expand(rows, seq).contiguous())
+
+
 def prepare_config(cfg: JobConfig, layout: RunLayout, target: str) -> tuple[JobConfig, RunLayout]:
     """The run's settings and layout as the target device would run them, checked like a real
     run's (a copy: the simulated run's own settings)."""
@@ -122,12 +131,15 @@ def simulate(
     target: str = "cuda",
     skip_compute: bool = True,
     micro_batches: int = 2,
+    documents: bool = False,
 ) -> dict:
     """Rank `rank` of the layout's mesh: a warm-up step, then a measured one.
 
     The measured step runs min(micro_batches, per-rank batch / micro batch) micro batches: memory
     in a step with gradient accumulation is that of the second micro batch onwards (gradients
-    already exist), so two stand for any number.
+    already exist), so two stand for any number. `documents`: rows packed with several
+    documents (`planner.launch.packed_documents`), so the step builds their per-row masks and
+    positions as a packed run's does (`packed_rows`).
     """
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -147,9 +159,11 @@ def simulate(
         n = min(micro_batches, layout.n_micro)
         gen = torch.Generator().manual_seed(rank)
 
-        def batch(count: int, rows: int, seq: int):
+        def batch(count: int, rows: int, seq: int, packed: bool = False):
             v = layout.model.vocab_size
             tokens = [torch.randint(0, v, (rows, seq + 1), generator=gen) for _ in range(count)]
+            if packed:
+                return [packed_rows(x[:, :-1], x[:, 1:]) for x in tokens]
             return [(x[:, :-1], x[:, 1:]) for x in tokens]
 
         built = time.perf_counter()
@@ -159,7 +173,7 @@ def simulate(
             trainer.train_step(batch(1, 1, m.tp))
             step_start = time.perf_counter()
             with measure_step(trainer.model, trainer.optimizer, 2, rank) as res:
-                trainer.train_step(batch(n, micro, t.seq_len))
+                trainer.train_step(batch(n, micro, t.seq_len, documents))
         done = time.perf_counter()
         record = res[0].to_dict()
     finally:
@@ -173,6 +187,7 @@ def simulate(
         "micro_batch": micro,
         "micro_batches_run": n,
         "seq_len": t.seq_len,
+        "documents": documents,
         "skip_compute": skip_compute,
         "memory": record,
         "build_s": built - start,
@@ -190,11 +205,12 @@ def run_subprocess(
     target: str = "cuda",
     skip_compute: bool = True,
     timeout: float | None = None,
+    documents: bool = False,
 ) -> dict:
     """`simulate` in a fresh Python process; returns its result (raises with its stderr)."""
     # The layout travels as the settings that ask for it (its values in the settings' places).
     spec = {"config": layout.recorded(cfg), "mesh": list(layout.mesh_shape)}
-    spec |= {"rank": rank, "target": target}
+    spec |= {"rank": rank, "target": target, "documents": documents}
     spec["skip_compute"] = skip_compute
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     # A launcher's rank variables (the caller may be a rank itself) are not the simulation's.

@@ -10,7 +10,8 @@
 Settings of the recipe change as in training (--train.micro_batch 2, --train.seq_len 8192,
 --parallel.activation_checkpoint full, ...). --target says what the figures are for: cuda
 (default; bf16 mixed precision when the recipe says auto) or cpu (fp32). --simulate also runs
-rank 0 of each mesh on this machine over a fake process group (hybrid2d/simulate.py);
+rank 0 of each mesh on this machine over a fake process group (hybrid2d/simulate.py), on
+rows packed with several documents where the run packs them (as the estimate prices them);
 when the recipe's micro batch would not fit in this machine's memory it simulates the largest
 micro batch that does and says so. --run-dir reads the per-rank figures a run made with
 --profile.memory and puts them next to the estimate. --device-memory says which meshes fit and,
@@ -218,7 +219,14 @@ def run(args, rest: list[str]) -> int:
                 notes.append(why)
             print(f"simulating rank 0 of mesh {mesh} ({mesh.world} ranks) ...", flush=True)
             start = time.perf_counter()
-            sim = run_subprocess(cfg, sim_layout, 0, target, skip_compute=not args.no_skip_compute)
+            sim = run_subprocess(
+                cfg,
+                sim_layout,
+                0,
+                target,
+                skip_compute=not args.no_skip_compute,
+                documents=documents,  # packed rows, as the estimate prices them
+            )
             sim["outer_wall_s"] = time.perf_counter() - start
             sim.pop("config", None)
             if why:  # compare like with like: the estimate at the simulated micro batch
