@@ -352,3 +352,48 @@ def test_a_run_on_a_truncated_shard_exits_2_before_its_first_step(made, tmp_path
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and f"shard {shard} holds 100 bytes" in lines[0], proc.stderr
     assert "step 1" not in proc.stdout
+
+
+def test_start_up_stats_each_shard_once(made, tmp_path, monkeypatch):
+    """A rank's start-up (checks, the main process's build, the dataset) stats each shard's
+    file once: on a shared file system with tens of thousands of shards that is its cost. A
+    corpus of 120 tiny shards; os.stat counted per path."""
+    from hybrid2d.data.shards import write_index, write_shard
+
+    root, _, out = made
+    index = json.loads((out / INDEX).read_text())
+    stream = open_shards(str(out))[:6000]
+    many = tmp_path / "many"
+    many.mkdir()
+    shutil.copy(out / "tokenizer.json", many / "tokenizer.json")
+    entries = []
+    for i, piece in enumerate(np.split(stream, 120)):  # one document of 50 tokens a shard
+        entries.append(write_shard(many, i, [(piece, np.array([len(piece)]))], i, 0))
+    plan = {k: v for k, v in index.items() if k not in ("format", "tokens", "documents", "shards")}
+    write_index(many, plan, entries)
+    cfg = job(root, many)
+    cfg.data.val_path = str(many)  # validation on the same shards: checked once more, as its own
+
+    stats: dict[str, int] = {}
+    real_stat = os.stat
+
+    def counting_stat(path, *args, **kwargs):
+        name = os.fspath(path)
+        if name.endswith(".bin"):
+            stats[name] = stats.get(name, 0) + 1
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", counting_stat)
+    data = build_run_data(cfg, RunLayout.build(cfg, 1), 0, True, lambda: None)
+    monkeypatch.undo()
+    assert len(data.loader.dataset) > 0
+    bins = {str(many / f"shard-{i:06d}.bin") for i in range(120)}
+    assert set(stats) == bins
+    assert set(stats.values()) == {2}, stats  # data.path's check and data.val_path's
+    # Without validation data, one stat each.
+    cfg.data.val_path = ""
+    stats.clear()
+    monkeypatch.setattr(os, "stat", counting_stat)
+    build_run_data(cfg, RunLayout.build(cfg, 1), 0, True, lambda: None)
+    monkeypatch.undo()
+    assert set(stats) == bins and set(stats.values()) == {1}, stats

@@ -278,7 +278,8 @@ def _dataset(
     """(dataset, kind) for the data config d (data.path's, or val_path's in its place), with
     the chat template stored in tok_dir."""
     if is_preprocessed(d.path):  # shards of tools/tokenize_corpus.py: nothing to tokenize
-        tokens = open_shards(d.path, setting)
+        # Every caller checked each shard's file on this rank already (`_kind`): one stat each.
+        tokens = open_shards(d.path, setting, check_files=False)
         tokens.check_tokenizer(tok, d.tokenizer, setting)
         kind = "text"
     else:
@@ -480,7 +481,8 @@ def check_mixture(cfg: JobConfig, d) -> list:
                 "windows: give text sources, or train on instruction data through data.path"
             )
         if is_preprocessed(src.path):
-            hashes[src.name] = open_shards(src.path, setting).index["tokenizer_hash"]
+            index = open_shards(src.path, setting, check_files=False).index  # `_kind` checked
+            hashes[src.name] = index["tokenizer_hash"]
         configs.append(sd)
     if len(set(hashes.values())) > 1:
         listed = ", ".join(f"{n}: {h}" for n, h in hashes.items())

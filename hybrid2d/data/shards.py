@@ -160,10 +160,13 @@ class ShardedTokens:
             )
 
 
-def open_shards(value: str, setting: str = "data.path") -> ShardedTokens:
+def open_shards(value: str, setting: str = "data.path", check_files: bool = True) -> ShardedTokens:
     """The preprocessed corpus at `value` (the option `setting` gave it), checked with the file
-    system alone: the index is complete and of this format, every shard exists and has the size
-    the index says. Each problem is one ConfigError line naming the file."""
+    system alone: the index is complete and of this format and, with `check_files`, every shard
+    exists and has the size the index says (one stat per shard: on a shared file system with
+    tens of thousands of shards that is the cost of opening, so a caller that checked this
+    corpus already in this start-up passes False). Each problem is one ConfigError line naming
+    the file."""
     folder = pathlib.Path(value).expanduser()
     where = f"{setting}={value!r}"
     index_path = folder / INDEX
@@ -182,23 +185,30 @@ def open_shards(value: str, setting: str = "data.path") -> ShardedTokens:
         raise ConfigError(
             f"{where}: {index_path} is not a {TOOL} index ({e}); tokenize the corpus again"
         ) from None
-    for entry in shards:
-        path = folder / f"{entry['name']}.bin"
-        want = entry["tokens"] * itemsize
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            raise ConfigError(
-                f"{where}: shard {path} is missing ({INDEX} lists {len(shards)} shards); copy it "
-                f"back, or run {TOOL} again with --out {value} to rewrite it"
-            ) from None
-        if size != want:
-            raise ConfigError(
-                f"{where}: shard {path} holds {size} bytes but {INDEX} says {want} "
-                f"({entry['tokens']} tokens of {index['dtype']}): it is truncated or from "
-                f"another run; copy it again, or delete it and run {TOOL} again with --out {value}"
-            )
+    if check_files:
+        for entry in shards:
+            _check_shard_file(folder / f"{entry['name']}.bin", entry, index, itemsize, where, value)
     return ShardedTokens(folder, index)
+
+
+def _check_shard_file(
+    path: pathlib.Path, entry: dict, index: dict, itemsize: int, where: str, value: str
+) -> None:
+    """One stat: the shard exists and holds the bytes its entry says."""
+    want = entry["tokens"] * itemsize
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{where}: shard {path} is missing ({INDEX} lists {len(index['shards'])} shards); "
+            f"copy it back, or run {TOOL} again with --out {value} to rewrite it"
+        ) from None
+    if size != want:
+        raise ConfigError(
+            f"{where}: shard {path} holds {size} bytes but {INDEX} says {want} "
+            f"({entry['tokens']} tokens of {index['dtype']}): it is truncated or from "
+            f"another run; copy it again, or delete it and run {TOOL} again with --out {value}"
+        )
 
 
 def write_index(folder: pathlib.Path, plan: dict, entries: list[dict]) -> dict:
