@@ -18,7 +18,8 @@ from hybrid2d.parallel.activation_checkpoint import apply_ac
 from hybrid2d.parallel.lora import apply_lora
 from hybrid2d.planner.model import flops
 from tests.family_shapes import family_model
-from tests.lora_reference import lora_settings, odd_model
+from tests.launch import check_ok, run_ranks
+from tests.lora_reference import lora_job, lora_settings, odd_model, tp4_model
 from tests.test_planner import load_tool
 
 
@@ -127,3 +128,24 @@ def test_plan_tool_prices_the_lora_step_below_full_fine_tuning(tmp_path):
     )
     assert got["compute_s"] < full["compute_s"] * 0.9
     assert got["step_s"] < full["step_s"] * 0.9
+
+
+@pytest.mark.slow
+def test_lora_step_flops_per_tp_rank_equal_counted_matmuls(tmp_path):
+    """On tp = 2, each rank computes its shard of the base and of the sharded adapter side, the
+    replicated side (column layers' A, row layers' B) whole, and past the kv heads (one kv
+    head, two ranks) the k/v projections and their B rows of its head: rank 0's matmuls of one
+    trainer step against the planner's per-rank count (matmul + replicated, x tokens / tp)."""
+    out = tmp_path / "flops.json"
+    specs = ["all-linear:1", "q_proj,o_proj:4", "down_proj,k_proj:1"]
+    check_ok(run_ranks(2, ["tests/workers/lora_flops.py", str(out), *specs]))
+    counted = json.loads(out.read_text())
+    for spec in specs:
+        targets, kv = spec.rsplit(":", 1)
+        cfg = lora_job(
+            dataclasses.replace(tp4_model(), n_kv_heads=int(kv)), lora_settings(targets=targets)
+        )
+        f = flops(cfg.model, cfg.train.seq_len, "none", 2, cfg.lora)
+        rank_tokens = cfg.train.global_batch * cfg.train.seq_len / 2
+        want = (f["matmul"] + f["replicated_matmul"]) * rank_tokens
+        assert counted[spec] == pytest.approx(want, rel=1e-12), spec

@@ -24,6 +24,7 @@ from hybrid2d.config import LoraConfig, ModelConfig
 from hybrid2d.metrics import attended_keys, flops_per_token
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # the rest are row-parallel
+KV = ("k_proj", "v_proj")
 
 
 def linear_shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -62,9 +63,10 @@ def _block(m: ModelConfig, targets: set[str], rank: int, input_grad: bool) -> di
     gate, up = out_grad("gate_proj", residual), out_grad("up_proj", residual)
     down = out_grad("down_proj", gate or up)
 
-    base = adapters = forward = replicated = 0.0
+    base = adapters = forward = replicated = kv = 0.0
     for name, (i, o) in shapes.items():
         base += (2 + 2 * needs[name]) * i * o
+        kv += (2 + 2 * needs[name]) * i * o if name in KV else 0
         forward += 2 * i * o
         if name in targets:
             a_side = (4 + 2 * needs[name]) * rank * i  # forward, A's gradient, input's
@@ -73,6 +75,7 @@ def _block(m: ModelConfig, targets: set[str], rank: int, input_grad: bool) -> di
             forward += 2 * rank * (i + o)
             # Every tp rank computes whole the side it holds replicated.
             replicated += a_side if name in COLUMN else b_side
+            kv += b_side if name in KV else 0  # past the kv heads, B's rows of the rank's head
     down_in, down_out = shapes["down_proj"]
     last = 2 * rank * down_out if "down_proj" in targets else 2 * down_in * down_out
     return {
@@ -83,7 +86,7 @@ def _block(m: ModelConfig, targets: set[str], rank: int, input_grad: bool) -> di
         "attention_forward": 4 * heads_hd,
         "block_output_grad": residual or down,
         "replicated_side": replicated,
-        "kv_base": (2 + 2 * needs["k_proj"]) * (shapes["k_proj"][0] * shapes["k_proj"][1]) * 2,
+        "kv": kv,
     }
 
 
@@ -93,8 +96,9 @@ def lora_flops(
     """`planner.model.flops` of a LoRA step: FLOPs per training token of the matmuls and the
     attention executed, forward alone, what checkpointing recomputes, and what tp ranks compute
     twice (per token of the rank's share): the adapters' replicated side (column layers' A,
-    row layers' B) on every rank, and past the kv heads the k/v projections, as in full
-    fine-tuning. `model` stays the model's FLOPs (flops_per_token: the MFU numerator)."""
+    row layers' B) on every rank, and past the kv heads the k/v projections and their
+    adapters' B rows of the rank's kv head, as in full fine-tuning. `model` stays the model's
+    FLOPs (flops_per_token: the MFU numerator)."""
     targets = set(lcfg.target_names())
     matmul = attention = fwd_mm = fwd_attn = rec_mm = rec_attn = replicated = 0.0
     grad = False  # the embedding is frozen: the first block's input needs no gradient
@@ -112,7 +116,7 @@ def lora_flops(
         elif activation_checkpoint == "selective" and tp > 1:  # the o projection's base
             rec_mm += 2 * m.dim * m.n_heads * m.head_dim
         replicated += (tp - 1) * blk["replicated_side"]
-        replicated += kv_extra * blk["kv_base"]
+        replicated += kv_extra * blk["kv"]
         grad = blk["block_output_grad"]
     head = 2 * m.vocab_size * m.dim
     matmul += 2 * head  # a frozen lm_head: forward and its input's gradient
