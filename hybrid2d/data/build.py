@@ -30,7 +30,7 @@ from hybrid2d.config import JobConfig
 from hybrid2d.data.batch import Batch
 from hybrid2d.data.cache import atomic_path, cache_key, must_build, read_cached, save_npy
 from hybrid2d.data.chat import SCRATCH_TEMPLATE, ChatTemplate, load_chat_template
-from hybrid2d.data.corpus import corpus_identity, source_files
+from hybrid2d.data.corpus import corpus_identity, is_hf_dataset, source_files
 from hybrid2d.data.instruct import (
     IGNORE_INDEX,
     InstructionDataset,
@@ -282,7 +282,7 @@ def _dataset(
         tokens.check_tokenizer(tok, d.tokenizer, setting)
         kind = "text"
     else:
-        kind = data_kind(cfg, source_files(d, setting), setting)
+        kind = _kind(cfg, d, setting)
         if kind == "instruct":
             template = load_chat_template(tok_dir)
             return _instruct_cache(cfg, d, tok, template, cache_dir, setting, build), kind
@@ -293,7 +293,17 @@ def _dataset(
 
 def _kind(cfg: JobConfig, d, setting: str) -> str:
     """The kind of d's data; a preprocessed corpus is text, checked here (its index and the size
-    of every shard, by the file system alone) so that a damaged one fails on every rank."""
+    of every shard, by the file system alone) so that a damaged one fails on every rank. Data
+    read through the datasets package (an hf: path, a save_to_disk directory) is text."""
+    if is_hf_dataset(d.path):
+        source_files(d, setting)  # its spelling, its directory, the datasets package
+        if cfg.data.format == "instruct":
+            raise ConfigError(
+                f"data.format=instruct, but {setting}={d.path!r} is read through the datasets "
+                "package, as text (column data.text_field); use data.format auto or text, or "
+                "give instruction data as .jsonl"
+            )
+        return "text"
     if not is_preprocessed(d.path):
         return data_kind(cfg, source_files(d, setting), setting)
     if cfg.data.format == "instruct":
@@ -320,6 +330,7 @@ def check_kinds(cfg: JobConfig, d, val_cfg) -> str:
         # An empty file is said when it is read.
         if val_kind != kind and (
             is_preprocessed(val_cfg.path)
+            or is_hf_dataset(val_cfg.path)
             or any(map(_has_text, source_files(val_cfg, "data.val_path")))
         ):
             raise ConfigError(
