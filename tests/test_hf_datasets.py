@@ -131,6 +131,15 @@ def test_training_reads_a_saved_dataset_as_it_reads_the_same_jsonl(made):
     want = first_batches(made / "text.jsonl")
     for path in (made / "saved", f"hf:{made / 'files'}"):  # inline, cached like a file's
         assert all(map(torch.equal, first_batches(path), want)), path
+    # Held-out data, and a mixture's source, are read the same way.
+    cfg = job(made, made / "text.jsonl")
+    cfg.data.val_path = f"hf:{made / 'files'}"
+    val = build_run_data(cfg, RunLayout.build(cfg, 1), 0, True, lambda: None).val
+    assert np.array_equal(val.dataset.tokens, reference_tokens(made))
+    cfg = job(made, "")
+    cfg.data.mixture = f"a={made / 'saved'}:1"
+    loader = build_run_data(cfg, RunLayout.build(cfg, 1), 0, True, lambda: None).loader
+    assert np.array_equal(loader.datasets[0].tokens, reference_tokens(made))
 
 
 class Group:
