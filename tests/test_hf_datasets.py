@@ -10,6 +10,7 @@ path of a local directory goes through the same load_dataset(streaming=True) cal
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
 
@@ -29,6 +30,7 @@ from hybrid2d.data.tokens import encode_documents, tokenize_corpus
 from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
 from hybrid2d.paths import HFSource, data_source, hf_source
+from tests.launch import REPO, launcher_env
 from tests.test_shards import VOCAB, make_tokenizer, one_line, stdlib_texts, tool, write_jsonl
 
 datasets = pytest.importorskip("datasets")  # the dev extra installs it
@@ -259,3 +261,23 @@ def test_without_the_datasets_package_one_line_says_how_to_install_it(made, monk
         with pytest.raises(ConfigError) as e:
             source_files(DataConfig(path=path))
         one_line(e, f"data.path={path!r}", "needs the datasets package: pip install datasets")
+
+
+def test_the_built_in_corpus_is_not_a_dataset_whatever_the_working_directory(tmp_path, monkeypatch):
+    (tmp_path / "state.json").write_text("{}")  # "" must not read as the working directory
+    monkeypatch.chdir(tmp_path)
+    cfg = job(tmp_path, "")
+    cfg.data.tokenizer, cfg.data.format = "", "instruct"  # an hf source would refuse instruct
+    with pytest.raises(ConfigError) as e:
+        build_run_data(cfg, RunLayout.build(cfg, 1), 0, True, lambda: None)
+    one_line(e, "data.format=instruct needs .jsonl files, but data.path holds ['.py']")
+
+
+def test_the_recipe_refuses_a_bad_hf_path_in_one_line(tmp_path):
+    run = subprocess.run(
+        [sys.executable, str(REPO / "recipes" / "llama.py"), "--data.path", "hf:a/b@x/y"],
+        capture_output=True, text=True, timeout=120, env=launcher_env(), cwd=tmp_path,
+    )  # fmt: skip
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1, run.stderr
+    assert "data.path='hf:a/b@x/y' is not hf:NAME[:CONFIG][@SPLIT][#REVISION]" in lines[0]

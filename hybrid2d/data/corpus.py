@@ -92,6 +92,8 @@ def source_files(cfg: DataConfig, setting: str = "data.path") -> list[pathlib.Pa
 def is_hf_dataset(path: str) -> bool:
     """True for data read through the datasets package: an hf: path or a save_to_disk
     directory. Such data is text, by its column data.text_field."""
+    if not path:  # the built-in corpus (pathlib would read "" as the working directory)
+        return False
     return path.startswith(HF_PREFIX) or saved_dataset(pathlib.Path(path).expanduser())
 
 
