@@ -110,6 +110,10 @@ def test_a_missing_or_non_text_column_is_one_line(made, tmp_path, capsys, offlin
         with pytest.raises(ConfigError) as e:
             corpus_documents(DataConfig(path=path, text_field="n"))
         one_line(e, "data.text_field='n'", "int64", "not text")
+    datasets.Dataset.from_dict({"text": ["", None]}).save_to_disk(str(tmp_path / "empty"))
+    with pytest.raises(ConfigError) as e:
+        list(corpus_documents(DataConfig(path=str(tmp_path / "empty"))))
+    one_line(e, "holds no non-empty documents")
 
 
 def job(root, path, streaming=False) -> JobConfig:

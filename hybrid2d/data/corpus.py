@@ -4,9 +4,9 @@ The built-in corpus is the Python standard library's own sources, because they e
 machine that can run this trainer: a default run never downloads anything. A user corpus is a
 file or a directory of .txt / .jsonl / .parquet files, a Hugging Face datasets directory
 (save_to_disk), or an hf: path read by datasets.load_dataset(streaming=True) (hf_datasets.py
-reads those two). Bad input becomes one ConfigError line
-naming the setting, raised when `corpus_documents` is called, before any expensive work; a bad
-line (not JSON, not UTF-8, no text field, instruction data among text) names its file and line.
+reads those two). Bad input becomes one ConfigError line naming the setting, raised when
+`corpus_documents` is called, before any expensive work; a bad line (not JSON, not UTF-8, no
+text field, instruction data among text) names its file and line.
 """
 
 from __future__ import annotations
@@ -138,15 +138,16 @@ def corpus_documents(cfg: DataConfig, setting: str = "data.path") -> Iterator[st
     if not cfg.path:
         return _stdlib_documents(files, cfg.max_chars)
     if cfg.path.startswith(HF_PREFIX):
-        return _nonempty(streamed_documents(hf_source(cfg.path, setting), cfg, setting), cfg,
-                         setting)  # fmt: skip
-    if saved_dataset(pathlib.Path(cfg.path).expanduser()):
-        path = pathlib.Path(cfg.path).expanduser()
+        docs = streamed_documents(hf_source(cfg.path, setting), cfg, setting)
+        return _nonempty(docs, cfg, setting)
+    path = pathlib.Path(cfg.path).expanduser()
+    if saved_dataset(path):
         return _nonempty(saved_documents(path, cfg, setting), cfg, setting)
     return _user_documents(files, cfg, setting)
 
 
 def _nonempty(docs: Iterator[str], cfg: DataConfig, setting: str) -> Iterator[str]:
+    """docs, and at their end one line if there were none (a dataset of empty texts)."""
     count = 0
     for doc in docs:
         count += 1
