@@ -143,9 +143,11 @@ def test_training_reads_a_saved_dataset_as_it_reads_the_same_jsonl(made):
     val = build_run_data(cfg, RunLayout.build(cfg, 1), 0, True, lambda: None).val
     assert np.array_equal(val.dataset.tokens, reference_tokens(made))
     cfg = job(made, "")
-    cfg.data.mixture = f"a={made / 'saved'}:1"
+    cfg.data.mixture = f"a={made / 'saved'}:1,b=hf:{made / 'files'}@train:2"
     loader = build_run_data(cfg, RunLayout.build(cfg, 1), 0, True, lambda: None).loader
-    assert np.array_equal(loader.datasets[0].tokens, reference_tokens(made))
+    assert len(loader.datasets) == 2
+    for source in loader.datasets:
+        assert np.array_equal(source.tokens, reference_tokens(made))
 
 
 class Group:

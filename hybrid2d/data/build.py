@@ -54,6 +54,7 @@ from hybrid2d.data.tokenizer import (
 from hybrid2d.data.tokens import tokenize_corpus
 from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
+from hybrid2d.paths import HF_PREFIX
 
 DEFAULT_CACHE_DIR = "~/.cache/hybrid2d"
 VAL_SPLIT_SEED = 1234  # the held-out part of data.path does not move with train.seed
@@ -480,7 +481,8 @@ def check_mixture(cfg: JobConfig, d) -> list:
     for src in sources:
         setting = f"data.mixture[{src.name}]"
         sd = dataclasses.replace(d, path=src.path, mixture="", val_path="", val_fraction=0.0)
-        if not pathlib.Path(src.path).expanduser().exists():
+        hf = src.path.startswith(HF_PREFIX)  # checked by _kind: its spelling, its directory
+        if not hf and not pathlib.Path(src.path).expanduser().exists():
             raise ConfigError(
                 f"{setting}={src.path!r} does not exist; give a preprocessed shard directory or "
                 "a .txt/.jsonl/.parquet file or directory of them"
