@@ -63,9 +63,10 @@ def made(tmp_path_factory):
     return root
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def offline(monkeypatch):
-    """No request leaves the process: the Hub is 'unreachable' at once, as on a cut-off host."""
+    """No request leaves the process, in every test here: the Hub is 'unreachable' at once, as
+    on a cut-off host, and a local hf:/DIR must be read without it."""
     import huggingface_hub.constants
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -96,7 +97,7 @@ def test_the_tool_tokenizes_a_saved_dataset_and_an_hf_dir_as_the_inline_path_doe
     assert np.array_equal(reference_tokens(made), reference_tokens(made, "files"))
 
 
-def test_a_missing_or_non_text_column_is_one_line(made, tmp_path, capsys, offline):
+def test_a_missing_or_non_text_column_is_one_line(made, tmp_path, capsys):
     argv = ["--data.path", str(made / "saved"), "--data.tokenizer", str(made / "tok.json"),
             "--out", str(tmp_path / "o"), "--data.text_field", "title"]  # fmt: skip
     assert tool().main(argv) == 2
@@ -212,7 +213,7 @@ def test_the_hf_spelling():
         one_line(e, f"data.path={bad!r} is not hf:NAME[:CONFIG][@SPLIT][#REVISION]")
 
 
-def test_an_hf_dir_and_its_errors(made, tmp_path, offline):
+def test_an_hf_dir_and_its_errors(made, tmp_path):
     files = made / "files"
     assert hf_source(f"hf:{files}@train") == HFSource(str(files), "", "train", "", True)
     cases = {
@@ -232,7 +233,7 @@ def test_an_hf_dir_and_its_errors(made, tmp_path, offline):
     assert len(list(corpus_documents(DataConfig(path=str(made / "dict" / "train"))))) > 40
 
 
-def test_the_hub_unreachable_is_one_line_naming_data_path(offline):
+def test_the_hub_unreachable_is_one_line_naming_data_path():
     cfg = JobConfig(recipe="test")
     cfg.data.path, cfg.data.streaming = "hf:nobody/nothing:sub@train", True
     with pytest.raises(ConfigError) as e:
