@@ -103,7 +103,13 @@ def _saved_dataset_split(path: pathlib.Path, value: str, setting: str) -> None:
     index = path / "dataset_dict.json"
     if not index.is_file():
         return
-    splits = json.loads(index.read_text()).get("splits", [])
+    try:
+        splits = json.loads(index.read_text())["splits"]
+    except (ValueError, KeyError, TypeError):
+        raise ConfigError(
+            f"{setting}={value!r}: {index} is not a DatasetDict's index (JSON with 'splits'); "
+            "save the dataset again with save_to_disk"
+        ) from None
     if len(splits) > 1:
         raise ConfigError(
             f"{setting}={value!r} is a DatasetDict of splits {splits}; point {setting} at the "

@@ -231,6 +231,11 @@ def test_an_hf_dir_and_its_errors(made, tmp_path):
         corpus_documents(DataConfig(path=f"hf:{files}@test"))
     one_line(e, "load_dataset(", "split='test'", "Bad split: test. Available splits: ['train']")
     assert len(list(corpus_documents(DataConfig(path=str(made / "dict" / "train"))))) > 40
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "dataset_dict.json").write_text("{")
+    with pytest.raises(ConfigError) as e:
+        corpus_documents(DataConfig(path=str(tmp_path / "broken")))
+    one_line(e, "dataset_dict.json is not a DatasetDict's index")
 
 
 def test_the_hub_unreachable_is_one_line_naming_data_path():
