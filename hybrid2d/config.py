@@ -255,7 +255,9 @@ class DataConfig:
 
     # A .txt/.jsonl/.parquet file or a directory of them; "" means the built-in corpus
     # (the Python standard library's sources, present wherever Python is); or the shards
-    # tools/tokenize_corpus.py wrote (a directory with token-index.json), read memory-mapped.
+    # tools/tokenize_corpus.py wrote (a directory with token-index.json), read memory-mapped;
+    # or, with the datasets package, a save_to_disk directory, hf:NAME[:CONFIG][@SPLIT][#REV]
+    # (a Hub dataset) or hf:/DIR (local data files), read with load_dataset(streaming=True).
     path: str = ""
     # Several text sources trained on together, each sample drawn by weight:
     # name=path:weight,... (web=/data/web-tok:0.7,code=/data/code-tok:0.3); each path is what

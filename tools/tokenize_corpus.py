@@ -3,8 +3,9 @@
 python tools/tokenize_corpus.py --data.path CORPUS --data.tokenizer TOKENIZER --out DIR
                                 [--data.text_field text] [--workers N] [--shard-size 16MB]
 
-CORPUS is what data.path takes (a .txt/.jsonl/.parquet file or a directory of them) or a local
-Hugging Face `datasets` directory (Dataset.save_to_disk; needs the datasets package). TOKENIZER
+CORPUS is what data.path takes for text: a .txt/.jsonl/.parquet file or a directory of them, a
+Hugging Face `datasets` directory (save_to_disk), or hf:NAME[:CONFIG][@SPLIT][#REVISION] / hf:/DIR
+read with datasets.load_dataset(streaming=True) (those need the datasets package). TOKENIZER
 is a tokenizer.json or a Hugging Face model directory holding one. DIR gets the shards
 (shard-NNNNNN.bin, raw token ids), each shard's document ends, the tokenizer and
 token-index.json (written last). Train on it with --data.path DIR --data.tokenizer TOKENIZER

@@ -30,7 +30,7 @@ from hybrid2d.config import JobConfig
 from hybrid2d.data.batch import Batch
 from hybrid2d.data.cache import atomic_path, cache_key, must_build, read_cached, save_npy
 from hybrid2d.data.chat import SCRATCH_TEMPLATE, ChatTemplate, load_chat_template
-from hybrid2d.data.corpus import corpus_identity, source_files
+from hybrid2d.data.corpus import corpus_identity, is_hf_dataset, source_files
 from hybrid2d.data.instruct import (
     IGNORE_INDEX,
     InstructionDataset,
@@ -54,6 +54,7 @@ from hybrid2d.data.tokenizer import (
 from hybrid2d.data.tokens import tokenize_corpus
 from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
+from hybrid2d.paths import HF_PREFIX
 
 DEFAULT_CACHE_DIR = "~/.cache/hybrid2d"
 VAL_SPLIT_SEED = 1234  # the held-out part of data.path does not move with train.seed
@@ -283,7 +284,7 @@ def _dataset(
         tokens.check_tokenizer(tok, d.tokenizer, setting)
         kind = "text"
     else:
-        kind = data_kind(cfg, source_files(d, setting), setting)
+        kind = _kind(cfg, d, setting)
         if kind == "instruct":
             template = load_chat_template(tok_dir)
             return _instruct_cache(cfg, d, tok, template, cache_dir, setting, build), kind
@@ -294,7 +295,17 @@ def _dataset(
 
 def _kind(cfg: JobConfig, d, setting: str) -> str:
     """The kind of d's data; a preprocessed corpus is text, checked here (its index and the size
-    of every shard, by the file system alone) so that a damaged one fails on every rank."""
+    of every shard, by the file system alone) so that a damaged one fails on every rank. Data
+    read through the datasets package (an hf: path, a save_to_disk directory) is text."""
+    if is_hf_dataset(d.path):
+        source_files(d, setting)  # its spelling, its directory, the datasets package
+        if cfg.data.format == "instruct":
+            raise ConfigError(
+                f"data.format=instruct, but {setting}={d.path!r} is read through the datasets "
+                "package, as text (column data.text_field); use data.format auto or text, or "
+                "give instruction data as .jsonl"
+            )
+        return "text"
     if not is_preprocessed(d.path):
         return data_kind(cfg, source_files(d, setting), setting)
     if cfg.data.format == "instruct":
@@ -321,6 +332,7 @@ def check_kinds(cfg: JobConfig, d, val_cfg) -> str:
         # An empty file is said when it is read.
         if val_kind != kind and (
             is_preprocessed(val_cfg.path)
+            or is_hf_dataset(val_cfg.path)
             or any(map(_has_text, source_files(val_cfg, "data.val_path")))
         ):
             raise ConfigError(
@@ -470,7 +482,8 @@ def check_mixture(cfg: JobConfig, d) -> list:
     for src in sources:
         setting = f"data.mixture[{src.name}]"
         sd = dataclasses.replace(d, path=src.path, mixture="", val_path="", val_fraction=0.0)
-        if not pathlib.Path(src.path).expanduser().exists():
+        hf = src.path.startswith(HF_PREFIX)  # checked by _kind: its spelling, its directory
+        if not hf and not pathlib.Path(src.path).expanduser().exists():
             raise ConfigError(
                 f"{setting}={src.path!r} does not exist; give a preprocessed shard directory or "
                 "a .txt/.jsonl/.parquet file or directory of them"

@@ -2,9 +2,11 @@
 
 The built-in corpus is the Python standard library's own sources, because they exist on every
 machine that can run this trainer: a default run never downloads anything. A user corpus is a
-file or a directory of .txt / .jsonl / .parquet files. Bad input becomes one ConfigError line
-naming the setting, raised when `corpus_documents` is called, before any expensive work; a bad
-line (not JSON, not UTF-8, no text field, instruction data among text) names its file and line.
+file or a directory of .txt / .jsonl / .parquet files, a Hugging Face datasets directory
+(save_to_disk), or an hf: path read by datasets.load_dataset(streaming=True) (hf_datasets.py
+reads those two). Bad input becomes one ConfigError line naming the setting, raised when
+`corpus_documents` is called, before any expensive work; a bad line (not JSON, not UTF-8, no
+text field, instruction data among text) names its file and line.
 """
 
 from __future__ import annotations
@@ -18,8 +20,16 @@ import sysconfig
 from collections.abc import Iterator
 
 from hybrid2d.config import DataConfig
+from hybrid2d.data.hf_datasets import saved_documents, streamed_documents
 from hybrid2d.errors import ConfigError
-from hybrid2d.paths import DATA_HINT, SUFFIXES, data_source
+from hybrid2d.paths import (
+    DATA_HINT,
+    HF_PREFIX,
+    SUFFIXES,
+    data_source,
+    hf_source,
+    saved_dataset,
+)
 
 # Directory names under the stdlib that hold tests, demos or third-party code rather than the
 # library itself (test data is full of deliberately odd text; site-packages varies by machine).
@@ -46,12 +56,22 @@ def default_corpus_files() -> list[pathlib.Path]:
 
 def source_files(cfg: DataConfig, setting: str = "data.path") -> list[pathlib.Path]:
     """The data files behind cfg.path, or a ConfigError (naming `setting`, the option that gave
-    cfg.path) saying why there are none."""
+    cfg.path) saying why there are none. A Hub dataset (hf:NAME) has none here; a datasets
+    directory's are its Arrow shards, an hf:/DIR's every file load_dataset may read."""
     if not cfg.path:
         return default_corpus_files()
     path = data_source(cfg.path, setting)
+    if path is None:
+        return []
     if path.is_file():
         return [path]
+    if saved_dataset(path):
+        return sorted(path.rglob("*.arrow"), key=lambda p: p.relative_to(path).as_posix())
+    if is_hf_dataset(cfg.path):
+        return sorted(
+            (p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")),
+            key=lambda p: p.relative_to(path).as_posix(),
+        )
     # Other files in a data directory (README.md, .gitattributes, ...) are not documents.
     files = sorted(
         (
@@ -69,19 +89,34 @@ def source_files(cfg: DataConfig, setting: str = "data.path") -> list[pathlib.Pa
     return files
 
 
+def is_hf_dataset(path: str) -> bool:
+    """True for data read through the datasets package: an hf: path or a save_to_disk
+    directory. Such data is text, by its column data.text_field."""
+    if not path:  # the built-in corpus (pathlib would read "" as the working directory)
+        return False
+    return path.startswith(HF_PREFIX) or saved_dataset(pathlib.Path(path).expanduser())
+
+
+def source_name(cfg: DataConfig) -> str:
+    """cfg.path as it names the corpus wherever it is run from: a file or directory resolved,
+    an hf: path by its dataset, configuration, split and revision."""
+    if cfg.path.startswith(HF_PREFIX):
+        return hf_source(cfg.path).identity()
+    return str(pathlib.Path(cfg.path).expanduser().resolve())
+
+
 def corpus_identity(cfg: DataConfig) -> str:
     """A short hash that changes whenever the documents could change; the base of cache keys.
 
     Built from the files' names, sizes and modification times (cheap: no file is read) plus the
     settings that select text from them, so a cached tokenizer or token array is reused only for
-    the same corpus.
+    the same corpus. A Hub dataset (hf:NAME) has no files here: its name, configuration, split
+    and revision are its identity, so without a pinned #REVISION a dataset changed on the Hub
+    keeps its cache entries.
     """
     h = hashlib.sha256()
     if cfg.path:
-        h.update(
-            f"path={pathlib.Path(cfg.path).expanduser().resolve()}\0"
-            f"field={cfg.text_field}\0".encode()
-        )
+        h.update(f"path={source_name(cfg)}\0field={cfg.text_field}\0".encode())
     else:
         h.update(f"stdlib={sys.version}\0".encode())
     for p in source_files(cfg):
@@ -102,7 +137,23 @@ def corpus_documents(cfg: DataConfig, setting: str = "data.path") -> Iterator[st
     files = source_files(cfg, setting)
     if not cfg.path:
         return _stdlib_documents(files, cfg.max_chars)
+    if cfg.path.startswith(HF_PREFIX):
+        docs = streamed_documents(hf_source(cfg.path, setting), cfg, setting)
+        return _nonempty(docs, cfg, setting)
+    path = pathlib.Path(cfg.path).expanduser()
+    if saved_dataset(path):
+        return _nonempty(saved_documents(path, cfg, setting), cfg, setting)
     return _user_documents(files, cfg, setting)
+
+
+def _nonempty(docs: Iterator[str], cfg: DataConfig, setting: str) -> Iterator[str]:
+    """docs, and at their end one line if there were none (a dataset of empty texts)."""
+    count = 0
+    for doc in docs:
+        count += 1
+        yield doc
+    if count == 0:
+        raise _no_documents(cfg, setting)
 
 
 def _stdlib_documents(files: list[pathlib.Path], max_chars: int) -> Iterator[str]:
@@ -139,11 +190,15 @@ def _user_documents(files: list[pathlib.Path], cfg: DataConfig, setting: str) ->
                 count += 1
                 yield doc
     if count == 0:
-        raise ConfigError(
-            f"{setting}={cfg.path!r} holds no non-empty documents; point it to "
-            f"files with text (field data.text_field={cfg.text_field!r} for "
-            ".jsonl/.parquet)"
-        )
+        raise _no_documents(cfg, setting)
+
+
+def _no_documents(cfg: DataConfig, setting: str) -> ConfigError:
+    return ConfigError(
+        f"{setting}={cfg.path!r} holds no non-empty documents; point it to "
+        f"files with text (field data.text_field={cfg.text_field!r} for "
+        ".jsonl/.parquet and datasets)"
+    )
 
 
 def _read_txt(p: pathlib.Path, cfg: DataConfig, setting: str, text_seen: list) -> Iterator[str]:

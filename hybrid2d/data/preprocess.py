@@ -29,7 +29,7 @@ from tokenizers import Tokenizer
 
 from hybrid2d.config import DataConfig
 from hybrid2d.data.cache import atomic_path
-from hybrid2d.data.corpus import corpus_documents, source_files
+from hybrid2d.data.corpus import corpus_documents, is_hf_dataset, source_files, source_name
 from hybrid2d.data.instruct import is_instruction_file
 from hybrid2d.data.shards import (
     INDEX,
@@ -43,9 +43,6 @@ from hybrid2d.data.tokenizer import eos_id, leading_special_ids, tokenizer_hash
 from hybrid2d.data.tokens import encode_chunks, token_dtype
 from hybrid2d.errors import ConfigError
 from hybrid2d.paths import tokenizer_file
-
-# A local Hugging Face `datasets` directory (Dataset.save_to_disk) holds one of these.
-HF_DATASET_FILES = ("state.json", "dataset_dict.json")
 
 
 @dataclass
@@ -125,7 +122,7 @@ def preprocess(
     with ProcessPoolExecutor(
         workers, mp_context=ctx, initializer=_start_worker, initargs=(tok.to_str(),)
     ) as pool:
-        for i, (first, docs, chars) in enumerate(_shards(_documents(d), shard_chars)):
+        for i, (first, docs, chars) in enumerate(_shards(corpus_documents(d), shard_chars)):
             done = finished_shard(out, i, itemsize)
             if done and (done["first_document"], done["documents"], done["chars"]) == (
                 first, len(docs), chars,
@@ -151,7 +148,9 @@ def preprocess(
 
 def plan_of(d: DataConfig, tok: Tokenizer, shard_chars: int) -> dict:
     """What the shards are made from: a resumed run must find the same (files' sizes and mtimes,
-    the text field, the tokenizer, the shard size)."""
+    the text field, the tokenizer, the shard size). A Hub dataset (hf:NAME) has no files here:
+    its name, configuration, split and revision stand for them (pin #REVISION: shards of a
+    dataset that changed on the Hub between two runs into one directory would not match)."""
     files = _source_files(d)
     return {
         "tokenizer_hash": tokenizer_hash(tok),
@@ -160,7 +159,7 @@ def plan_of(d: DataConfig, tok: Tokenizer, shard_chars: int) -> dict:
         "eos": eos_id(tok),
         "text_field": d.text_field,
         "shard_chars": shard_chars,
-        "path": str(pathlib.Path(d.path).expanduser().resolve()),
+        "path": source_name(d),
         "sources": [
             {"file": str(p), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
             for p in files
@@ -211,54 +210,15 @@ def _shards(docs, shard_chars: int):
         yield first, batch, chars
 
 
-def _hf_dataset(d: DataConfig) -> bool:
-    folder = pathlib.Path(d.path).expanduser()
-    return folder.is_dir() and any((folder / name).is_file() for name in HF_DATASET_FILES)
-
-
 def _source_files(d: DataConfig) -> list[pathlib.Path]:
-    if _hf_dataset(d):
-        _hf_datasets_module(d)
-        return sorted(pathlib.Path(d.path).expanduser().rglob("*.arrow"))
     files = source_files(d, "data.path")
-    if files[0].suffix == ".jsonl" and is_instruction_file(files[0]):
+    if not is_hf_dataset(d.path) and files[0].suffix == ".jsonl" and is_instruction_file(files[0]):
         raise ConfigError(
             f"data.path={d.path!r}: {files[0]} is instruction data (prompt/completion or "
             "messages); the preprocessed path is for text: train on instruction data directly "
             "(it keeps its own cache)"
         )
     return files
-
-
-def _hf_datasets_module(d: DataConfig):
-    try:
-        import datasets
-    except ImportError:
-        raise ConfigError(
-            f"data.path={d.path!r} is a Hugging Face datasets directory, which needs the "
-            "datasets package: pip install datasets, or save it as .parquet/.jsonl"
-        ) from None
-    return datasets
-
-
-def _documents(d: DataConfig):
-    if not _hf_dataset(d):
-        return corpus_documents(d, "data.path")
-    return _hf_documents(d)
-
-
-def _hf_documents(d: DataConfig):
-    """The text column of a saved Dataset (a DatasetDict: its splits in name order)."""
-    loaded = _hf_datasets_module(d).load_from_disk(str(pathlib.Path(d.path).expanduser()))
-    parts = [loaded[k] for k in sorted(loaded)] if hasattr(loaded, "keys") else [loaded]
-    for part in parts:
-        if d.text_field not in part.column_names:
-            raise ConfigError(
-                f"data.text_field={d.text_field!r} is not a column of {d.path} (columns: "
-                f"{part.column_names}); set data.text_field to the text column"
-            )
-        for batch in part.iter(batch_size=1024):
-            yield from (t for t in batch[d.text_field] if t)
 
 
 _worker_tokenizer: Tokenizer | None = None
