@@ -119,6 +119,21 @@ def test_inline_preprocessed_and_streamed_give_the_same_first_batches(corpus, do
         ld.close()
 
 
+def test_a_mixture_source_follows_the_same_block_order(corpus):
+    """Each source of data.mixture is ordered like data.path (its own seed, seed + 7919 for
+    the first source): one source of weight 1 gives its windows in that block order."""
+    root, tokens, n, block = corpus
+    cfg = job(root, "", block)
+    cfg.data.mixture = f"a={root / 'c'}:1"
+    loader = cached(cfg)[0]
+    ref = PackedDataset(tokens, SEQ)
+    want = spec_order(n, block, SEED + 7919, 3 * BATCH)
+    for s in range(3):
+        got = torch.cat([m.inputs for m in loader.next_batch()])
+        assert torch.equal(got, ref.gather(want[s * BATCH : (s + 1) * BATCH]).inputs), s
+    assert loader.state_dict()["shuffle_block"] == block
+
+
 def test_a_streamed_resume_mid_block_on_another_dp_size_continues_the_straight_run(corpus):
     root, _, n, block = corpus
     cfg = job(root, root / "c", block, streaming=True)
