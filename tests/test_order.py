@@ -27,7 +27,7 @@ from hybrid2d.layout import RunLayout
 from tests.reference import tiny_config
 from tests.test_checkpoint import one_rank  # noqa: F401 (a fixture)
 from tests.test_shards import VOCAB, make_tokenizer, one_line, stdlib_texts, tool, write_jsonl
-from tests.test_stream import joined, loaders, run_steps
+from tests.test_stream import Group, joined, loaders, run_steps
 
 SEQ, BATCH, SEED = 29, 6, 5
 
@@ -151,6 +151,43 @@ def test_a_streamed_resume_mid_block_on_another_dp_size_continues_the_straight_r
     for a, b in zip(first + rest, straight, strict=True):
         assert torch.equal(joined(a), joined(b))
     for ld in three + two:
+        ld.close()
+
+
+def test_every_rank_of_a_2x2_mesh_reads_and_the_stream_does_not_change(corpus):
+    """Reading split over the world (dp 2 x tp 2: four readers, ranks r and r+1 one dp rank's
+    tp peers) gives the straight dp-1 run's batches, each tp peer the same rows, and a resume
+    on dp 3 x tp 1 from its state continues them."""
+    root, _, n, block = corpus
+    cfg = job(root, root / "c", block, streaming=True)
+    steps = n // BATCH + 2
+    straight = run_steps(loaders(cfg, 1, round_docs=64), steps)
+
+    def world(dp: int, tp: int) -> list:
+        layout, group = RunLayout.build(cfg, dp), Group(dp * tp)
+        out = []
+        for r in range(dp * tp):
+            gather = group.member(r)
+            data = build_run_data(cfg, layout, r // tp, False, lambda: None, gather, (r, dp * tp))
+            data.loader.round_docs = 2
+            out.append(data.loader)
+        return out
+
+    four = world(2, 2)
+    assert four[0].readers == 4 and four[3].reader == 3
+    got = run_steps(four, 5)
+    per_rank = len(got[0]) // 4  # micro batches of one rank in a step
+    for a, b in zip(got, straight[:5], strict=True):
+        ranks = [a[i * per_rank : (i + 1) * per_rank] for i in range(4)]
+        assert torch.equal(joined(ranks[0]), joined(ranks[1]))  # tp peers: the same rows
+        assert torch.equal(joined(ranks[2]), joined(ranks[3]))
+        assert torch.equal(joined(ranks[0] + ranks[2]), joined(b))
+    three = world(3, 1)
+    for ld in three:
+        ld.load_state_dict(four[2].state_dict())
+    rest = run_steps(three, steps - 5)
+    assert all(torch.equal(joined(a), joined(b)) for a, b in zip(rest, straight[5:], strict=True))
+    for ld in four + three:
         ld.close()
 
 

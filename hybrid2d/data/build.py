@@ -162,9 +162,9 @@ class RunData:
     def describe(self) -> str:
         if isinstance(self.loader, StreamingLoader):
             parts = [f"data: text from {self.loader.cfg.path or 'the built-in corpus'!r}, "
-                     "streamed: each dp rank's reader thread tokenizes its share of the "
-                     f"documents; windows shuffled in blocks of {self.loader.block:,}, "
-                     "as inline"]  # fmt: skip
+                     f"streamed: a reader thread on each of {self.loader.readers} ranks "
+                     "tokenizes its share of the documents; windows shuffled in blocks of "
+                     f"{self.loader.block:,}, as inline"]  # fmt: skip
         elif isinstance(self.loader, MixtureLoader):
             mix = ", ".join(
                 f"{s.name} {w:.0%} ({len(ds)} samples)"
@@ -364,15 +364,18 @@ def _val_config(data):
 
 def build_run_data(
     cfg: JobConfig, layout: RunLayout, dp_rank: int, is_main: bool, barrier: Callable[[], None],
-    all_gather: Callable[[object], list] | None = None,
+    all_gather: Callable[[object], list] | None = None, readers: tuple[int, int] | None = None,
 ) -> RunData:  # fmt: skip
     """Loader for this dp rank, tokenizer, validation set; the tokenizer, the vocabulary size
-    and the batch split are the layout's. Every process must call it (it calls barrier())."""
+    and the batch split are the layout's. Every process must call it (it calls barrier()).
+    Streaming: this rank is reader readers[0] of readers[1] (default: its dp rank of dp) and
+    all_gather gathers over the readers."""
     d, t = dataclasses.replace(cfg.data, tokenizer=layout.tokenizer), cfg.train
     vocab_size = layout.model.vocab_size
     cache_dir = cache_dir_for(cfg)
     if d.streaming:
-        return _streaming_run_data(cfg, d, layout, dp_rank, all_gather, is_main, barrier)
+        readers = readers or (dp_rank, layout.dp)
+        return _streaming_run_data(cfg, d, layout, dp_rank, all_gather, is_main, barrier, readers)
     if d.mixture:
         return _mixture_run_data(cfg, d, layout, dp_rank, is_main, barrier)
     # Cheap checks on every rank first, so a bad data.path fails everywhere at once instead of
@@ -532,7 +535,8 @@ def _mixture_run_data(
 
 
 def _streaming_run_data(
-    cfg: JobConfig, d, layout: RunLayout, dp_rank: int, all_gather, is_main: bool, barrier
+    cfg: JobConfig, d, layout: RunLayout, dp_rank: int, all_gather, is_main: bool, barrier,
+    readers: tuple[int, int],
 ) -> RunData:  # fmt: skip
     """RunData whose loader tokenizes data.path on the fly (stream.py); nothing of it is cached.
     data.val_path is read as the other paths read it (tokenized once by the main process, or
@@ -553,8 +557,8 @@ def _streaming_run_data(
         why = f"data.path={d.path!r} is instruction data; streaming is for text"
     if why:
         raise ConfigError(f"data.streaming=true: {why}; or leave data.streaming at false")
-    if layout.dp > 1 and all_gather is None:
-        raise ValueError("streaming over dp > 1 needs all_gather over the dp group")
+    if readers[1] > 1 and all_gather is None:
+        raise ValueError("streaming over several readers needs all_gather over them")
     val_cfg = _val_config(d)
     if val_cfg is not None and _kind(cfg, val_cfg, "data.val_path") != "text":
         raise ConfigError(
@@ -576,7 +580,7 @@ def _streaming_run_data(
         stats["val_samples"] = len(val_ds)
     eos = eos_id(tok) if d.document_mask == "on" else None
     loader = StreamingLoader(
-        d, tok, layout, cfg.train.seq_len, dp_rank, gather, eos, seed=cfg.train.seed
+        d, tok, layout, cfg.train.seq_len, dp_rank, gather, eos, cfg.train.seed, readers
     )
     return RunData(loader, tok, val, "text", stats, tokenizer_dir=d.tokenizer)
 

@@ -10,11 +10,12 @@ block is served, the next is read ahead in proportion to how much of this one is
 windows held stay about one block (shuffle_block x (seq_len + 1) tokens per rank), and only the
 first step waits for a whole block to be tokenized.
 
-Work is split by document: in each round, rank r of dp tokenizes document start + k*dp + r in a
-background thread, and one all-gather over dp hands every rank the round's documents in order.
-Every rank then holds the step's windows and keeps its rows, so the stream does not depend on the
-dp size, and the position saved (the block being served, where it starts in the corpus: document
-and tokens of it behind, and how many of its windows are served) lets a resume on any dp size
+Work is split by document over every rank of the job (dp x tp, the readers): in each round,
+reader r of R tokenizes its group of documents in a background thread, and one all-gather over
+the world hands every rank the round's R groups in order. Every rank then holds the step's
+windows and keeps its dp rank's rows, so the stream depends on neither the dp size nor the
+mesh, and the position saved (the block being served, where it starts in the corpus: document
+and tokens of it behind, and how many of its windows are served) lets a resume on any mesh
 read that block again and continue with exactly the windows a straight run takes.
 """
 
@@ -49,27 +50,28 @@ _END = "end"
 
 class _Reader:
     """A thread that encodes this rank's groups of `per_round` documents (group g, counted from
-    `start`, belongs to rank g % dp) into a bounded queue, a list of id arrays per group, then
-    _END (or the exception reading raised)."""
+    `start`, belongs to reader g % readers) into a bounded queue, a list of id arrays per
+    group, then _END (or the exception reading raised)."""
 
     def __init__(
-        self, cfg: DataConfig, tok: Tokenizer, start: int, dp_rank: int, dp: int, per_round: int
+        self, cfg: DataConfig, tok: Tokenizer, start: int, reader: int, readers: int,
+        per_round: int,
     ):  # fmt: skip
         self.per_round = per_round
         self.queue: queue.Queue = queue.Queue(maxsize=AHEAD_ROUNDS)
         self.stop = threading.Event()
         self.thread = threading.Thread(
-            target=self._run, args=(cfg, tok, start, dp_rank, dp), daemon=True,
-            name=f"stream-reader-{dp_rank}",
+            target=self._run, args=(cfg, tok, start, reader, readers), daemon=True,
+            name=f"stream-reader-{reader}",
         )  # fmt: skip
         self.thread.start()
 
-    def _mine(self, cfg: DataConfig, start: int, dp_rank: int, dp: int, groups: list):
+    def _mine(self, cfg: DataConfig, start: int, reader: int, readers: int, groups: list):
         for d, doc in enumerate(corpus_documents(cfg)):
             if self.stop.is_set():
                 return
             group = (d - start) // self.per_round
-            if d >= start and group % dp == dp_rank:
+            if d >= start and group % readers == reader:
                 groups.append(group)
                 yield doc
 
@@ -82,11 +84,11 @@ class _Reader:
                 continue
         return False
 
-    def _run(self, cfg, tok, start, dp_rank, dp) -> None:
+    def _run(self, cfg, tok, start, reader, readers) -> None:
         groups: list[int] = []  # the group of each document read, in order
         current, docs = None, []
         try:
-            for ids, lengths in encode_chunks(self._mine(cfg, start, dp_rank, dp, groups), tok):
+            for ids, lengths in encode_chunks(self._mine(cfg, start, reader, readers, groups), tok):
                 for doc_ids in np.split(ids, np.cumsum(lengths)[:-1]):
                     group = groups.pop(0)
                     if group != current and docs:
@@ -120,11 +122,13 @@ class _Block:
 
 class StreamingLoader:
     """GlobalBatchLoader's interface (next_batch, state_dict, load_state_dict) over the stream.
-    `all_gather(obj)` returns every dp rank's obj in rank order (one collective over dp)."""
+    This rank is reader `readers[0]` of `readers[1]` (default: its dp rank of dp), and
+    `all_gather(obj)` returns every reader's obj in reader order (one collective over them)."""
 
     def __init__(
         self, cfg: DataConfig, tok: Tokenizer, layout: RunLayout, seq_len: int, dp_rank: int,
         all_gather: Callable[[object], list], eos: int | None = None, seed: int = 0,
+        readers: tuple[int, int] | None = None,
     ):  # fmt: skip
         if cfg.shuffle_block < 1:
             raise ValueError("streaming needs data.shuffle_block >= 1 (config.py refuses 0)")
@@ -137,11 +141,12 @@ class StreamingLoader:
         self.local_batch = layout.local_batch
         self.micro_batch = layout.micro_batch
         self.dp_rank, self.dp_size = dp_rank, layout.dp
+        self.reader, self.readers = readers or (dp_rank, layout.dp)
         self.all_gather = all_gather
         self.eos = eos
         self.round_docs = ROUND_DOCS  # the stream does not depend on it (tests make it small)
         self.samples_consumed = 0
-        self.data_wait_s = 0.0  # the last step's longest wait for a reader, over dp
+        self.data_wait_s = 0.0  # the last step's longest wait for a reader, over the readers
         self.data_wait_total_s = 0.0
         self._start = _Block(0, 0, 0, 0)  # the block to serve first, and `_served` of it
         self._current: _Block | None = None  # read whole and permuted: being served
@@ -160,7 +165,7 @@ class StreamingLoader:
         if self._reader is not None:
             self._reader.close()
         self.doc, self.skip = doc, skip
-        self._reader = _Reader(self.cfg, self.tok, doc, self.dp_rank, self.dp_size, self.round_docs)
+        self._reader = _Reader(self.cfg, self.tok, doc, self.reader, self.readers, self.round_docs)
         self._docs.clear()
         self._buffered = 0
         self._exhausted = False
@@ -259,7 +264,7 @@ class StreamingLoader:
         ahead = math.ceil(self._served * self.block / len(self._current.windows))
         self._fill(self._next, ahead, waits)
         self.samples_consumed += self.global_batch
-        # The last round carried every rank's wait in this step: the step's longest over dp.
+        # The last round carried every reader's wait in this step: the step's longest.
         self.data_wait_s = max(waits)
         self.data_wait_total_s += self.data_wait_s
         lo = self.dp_rank * self.local_batch
