@@ -206,13 +206,15 @@ def test_streaming_reads_validation_data_as_the_cached_paths_do(corpus, tmp_path
 
 @pytest.mark.slow
 def test_a_streamed_2x2_run_resumes_in_one_process_with_the_straight_runs_losses(corpus, tmp_path):
-    """Through the trainer: a streamed run on 2x2 (dp 2: two reader threads, the dp all-gather)
-    stopped after step 2 and resumed in one process (dp 1) trains on what a straight one-process
-    run trains on: the same losses at every step (to 1e-5: another mesh sums in another order);
-    the summary reports the data wait."""
+    """Through the trainer: a streamed run on 2x2 (four reader threads, the world all-gather)
+    stopped after step 2 (mid-block: 8 windows in blocks of 5) and resumed in one process
+    (dp 1) trains on what a straight one-process run trains on, and that on what a run of the
+    cached (inline) path trains on: the same losses at every step (to 1e-5: another mesh sums in
+    another order); the summary reports the data wait."""
 
-    def run(ranks, run_dir, *more):
-        recipe = ["recipes/llama.py", "--data.streaming", "true", "--data.path",
+    def run(ranks, run_dir, *more, streaming="true"):
+        recipe = ["recipes/llama.py", "--data.streaming", streaming, "--data.shuffle_block", "5",
+                  "--data.path",
                   str(corpus / "c"), "--data.tokenizer", str(corpus / "tok.json"),
                   "--data.cache_dir", str(tmp_path / "cache"), "--model.vocab_size", str(VOCAB),
                   "--train.seq_len", "64", "--train.global_batch", "4", "--train.steps", "4",
@@ -226,6 +228,8 @@ def test_a_streamed_2x2_run_resumes_in_one_process_with_the_straight_runs_losses
         return json.loads((run_dir / "summary.json").read_text())
 
     straight = run(1, tmp_path / "straight")
+    inline = run(1, tmp_path / "inline", streaming="false")
+    assert inline["losses"] == straight["losses"]  # one process, the same windows: bitwise
     first = run(4, tmp_path / "split", "--checkpoint.stop_after", "2")
     resumed = run(1, tmp_path / "split", "--checkpoint.resume", "auto")
     assert first["mesh"]["dp_shard"] == 2 and first["mesh"]["tp"] == 2
