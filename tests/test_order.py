@@ -241,23 +241,45 @@ def test_a_checkpoint_from_before_blocks_loads_where_the_order_is_the_same(
     tmp_path,
     one_rank,  # noqa: F811
 ):
-    """Through the Checkpointer: an old checkpoint's data state has no shuffle_block; it is
-    loaded without it, and the loader decides (the corpus fits a block: the same order)."""
+    """Through the Checkpointer: an old checkpoint's data state has no shuffle_block (nor, from
+    a stream, the block and window served); it is loaded without them and the loader decides:
+    the cached paths load where the corpus fits a block (the same order), a stream says its
+    old order is gone, each in one line rather than the Checkpointer's "does not fit"."""
     from hybrid2d.checkpoint import layout
     from hybrid2d.checkpoint.dcp import Checkpointer
     from tests.test_checkpoint import Progress
 
     root, _, n, block = corpus
 
-    class OldPosition:  # what GlobalBatchLoader saved before data.shuffle_block
-        def state_dict(self):
-            return {"samples_consumed": 18, "seed": SEED}
+    class OldState:  # a loader's state as an older hybrid2d saved it
+        def __init__(self, state):
+            self.state = state
 
-    old = {"trainer": Progress(3, 0.0), "trainer.data": OldPosition()}
+        def state_dict(self):
+            return self.state
+
+    # What GlobalBatchLoader saved before data.shuffle_block: no such key.
+    old = {"trainer": Progress(3, 0.0), "trainer.data": OldState({"samples_consumed": 18,
+                                                                    "seed": SEED})}  # fmt: skip
     ck = Checkpointer(tiny_config(steps=10), tmp_path, old)
     ck.save(3)
     ck.close()
     path = layout.latest_in_run(tmp_path)
+    old_stream = {  # what StreamingLoader saved before blocks: windows in corpus order
+        "trainer": Progress(3, 0.0),
+        "trainer.data": OldState({"samples_consumed": 18, "stream": {"epoch": 0, "window": 18,
+                                                                    "document": 4, "skip": 9}}),
+    }  # fmt: skip
+    ck = Checkpointer(tiny_config(steps=10), tmp_path / "stream", old_stream)
+    ck.save(3)
+    ck.close()
+    streamed = loaders(job(root, root / "c", block, streaming=True), 1)[0]
+    states = {"trainer": Progress(0, 0.0), "trainer.data": streamed}
+    with pytest.raises(ConfigError) as e:  # not "does not fit": the keys it lacks are known
+        Checkpointer(tiny_config(steps=10), tmp_path, states).load(
+            layout.latest_in_run(tmp_path / "stream")
+        )
+    one_line(e, "before streaming served windows", "checkpoint.init_from dcp:")
     for shuffle_block, fits in ((n, True), (block, False)):
         loader = cached(job(root, root / "c", shuffle_block))[0]
         states = {"trainer": Progress(0, 0.0), "trainer.data": loader}
