@@ -1,4 +1,4 @@
-"""Streaming: text that is not preprocessed, tokenized on the fly by every dp rank for its part.
+"""Streaming: text that is not preprocessed, tokenized on the fly, each rank its part.
 
 The stream is the inline path's flat stream (documents in corpus order, each BOS + ids + EOS,
 tokens.encode_chunks) cut into the same windows (window i = tokens[i*L : i*L + L + 1]), served
