@@ -263,9 +263,16 @@ class DataConfig:
     # name=path:weight,... (web=/data/web-tok:0.7,code=/data/code-tok:0.3); each path is what
     # data.path takes for text. "" (default): data.path alone. Set, data.path stays "".
     mixture: str = ""
-    # Text data.path tokenized on the fly instead of cached first: each dp rank's background
-    # thread tokenizes its share of the documents; windows in stream order (not shuffled).
+    # Text data.path tokenized on the fly instead of cached first: every rank's background
+    # thread tokenizes its share of the documents; the windows are served in the order of
+    # data.shuffle_block, as the cached paths serve them (data.shuffle_block 0 is refused).
     streaming: bool = False
+    # Text windows of an epoch are shuffled within consecutive blocks of this many windows (the
+    # last holds the rest), the same order inline, preprocessed and streamed; streaming holds
+    # one block (shuffle_block x train.seq_len tokens per rank) and reads it before the first
+    # step. 0: the whole epoch as one block (not streaming). Instruction data is always
+    # shuffled over the whole epoch.
+    shuffle_block: Annotated[int, Range(0, note="0: the whole epoch as one block")] = 8192
     # The field holding the text in .jsonl and .parquet files.
     text_field: str = "text"
     # tokenizer.json or a HF model directory; "" trains a byte-level BPE of the model's vocab
@@ -488,6 +495,12 @@ class JobConfig:
             raise ConfigError(
                 f"lora.init_from={self.lora.init_from!r} needs adapters: set lora.rank to the "
                 "adapter's rank (its adapter_config.json's r)"
+            )
+        if self.data.streaming and self.data.shuffle_block == 0:
+            raise ConfigError(
+                "data.shuffle_block=0 (the whole epoch as one block) cannot be streamed: a stream "
+                "holds one block of windows, not the corpus; set data.shuffle_block to a number "
+                "of windows (default 8192), or leave data.streaming at false"
             )
         traced = self.profile.trace_range()
         if traced and traced[1] > self.train.steps:

@@ -335,7 +335,11 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
     print0(describe_plan(plan))
     # A bad --checkpoint.resume fails here, on every rank, before data and model are built.
     resume_from = find_resume(ran, run_dir)
-    data = build_run_data(cfg, layout, mesh.dp_rank, main, dist.barrier, _dp_all_gather(mesh))
+    # Streaming reads over every rank (not only dp: a tp peer would read the same documents).
+    readers = (dist.get_rank(), dist.get_world_size())
+    data = build_run_data(
+        cfg, layout, mesh.dp_rank, main, dist.barrier, _world_all_gather, readers=readers
+    )
     print0(data.describe())
     trainer = Trainer(cfg, mesh, resuming=resume_from is not None)
     states = trainer.checkpoint_states() | {f"{TRAINER}.data": data.loader}
@@ -393,16 +397,11 @@ def _train(cfg: JobConfig, mesh: Mesh, plan: dict) -> dict:
     return summary
 
 
-def _dp_all_gather(mesh: Mesh):
-    """all_gather(obj) -> every dp rank's obj in dp order (streaming's documents per round)."""
-    group = mesh.dp_mesh.get_group()
-
-    def all_gather(obj) -> list:
-        out = [None] * mesh.dp
-        dist.all_gather_object(out, obj, group=group)
-        return out
-
-    return all_gather
+def _world_all_gather(obj) -> list:
+    """Every rank's obj in rank order (streaming's documents per round, read by every rank)."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def _steps(

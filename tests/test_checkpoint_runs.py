@@ -172,7 +172,8 @@ def test_async_save_lets_training_go_on_and_writes_the_same_tensors_as_sync(
     sync_state = full_state(layout.final_dir(run, 10), tmp_path)
     assert set(async_state) == {"model", "optimizer", "trainer"}
     assert async_state["trainer"]["step"] == 10
-    assert async_state["trainer"]["data"] == {"samples_consumed": 80, "seed": 3}
+    data_state = {"samples_consumed": 80, "seed": 3, "shuffle_block": 8192}
+    assert async_state["trainer"]["data"] == data_state
     assert_same_tree(async_state, sync_state)
 
 

@@ -283,7 +283,9 @@ def test_union_of_ranks_is_the_global_batch(dp_size):
         assert torch.equal(torch.cat([p[0] for p in parts]), inputs)
         assert torch.equal(torch.cat([p[1] for p in parts]), labels)
         assert all(
-            ld.state_dict() == {"samples_consumed": (step + 1) * gb, "seed": seed} for ld in loaders
+            ld.state_dict()
+            == {"samples_consumed": (step + 1) * gb, "seed": seed, "shuffle_block": 0}
+            for ld in loaders
         )
 
 

@@ -1,7 +1,9 @@
 """Streaming (data.streaming, data/stream.py): data.path tokenized on the fly per dp rank.
 
 The reference is the inline path's token stream (tokens.encode_documents of the corpus, what
-the trainer caches) cut by PackedDataset into its windows, taken in order, epoch after epoch.
+the trainer caches) cut by PackedDataset into its windows, in the inline path's order: with the
+default data.shuffle_block, larger than this corpus, each epoch's torch.randperm of all windows
+seeded with train.seed + epoch (tests/test_order.py covers several blocks and the other paths).
 dp ranks are threads here, their all-gather a barrier over a shared list: the loader's only
 collective, which the trainer runs over the dp group.
 """
@@ -120,14 +122,19 @@ def reference(root, document_mask="off"):
 
 
 @pytest.mark.parametrize("document_mask", ["off", "on"])
-def test_windows_are_the_inline_streams_in_order_across_epochs_and_dp(corpus, document_mask):
+def test_windows_are_the_inline_streams_in_its_order_across_epochs_and_dp(corpus, document_mask):
     ref = reference(corpus, document_mask)
     n = len(ref)
     steps = n // BATCH + 3  # into the second epoch
-    got = run_steps(loaders(job(corpus, document_mask), 2), steps)
+    cfg = job(corpus, document_mask)
+    assert n < cfg.data.shuffle_block  # one block: the whole epoch's permutation
+    order = np.concatenate(
+        [torch.randperm(n, generator=torch.Generator().manual_seed(cfg.train.seed + e)).numpy()
+         for e in (0, 1)]
+    )  # fmt: skip
+    got = run_steps(loaders(cfg, 2), steps)
     for s, step in enumerate(got):
-        positions = np.arange(s * BATCH, (s + 1) * BATCH)
-        want = ref.gather(positions % n)  # epoch e restarts at window 0
+        want = ref.gather(order[s * BATCH : (s + 1) * BATCH])
         assert torch.equal(joined(step), want.inputs), s
         assert torch.equal(joined(step, "labels"), want.labels), s
         if document_mask == "on":
@@ -160,7 +167,7 @@ def test_bad_streaming_settings_are_one_line(corpus, tmp_path):
             loaders(cfg, 1)[0].next_batch()
         return one_line(e, "data.streaming=true")
 
-    assert "data.val_fraction" in error(val_fraction=0.1)
+    assert "data.val_path" in error(val_fraction=0.1)
     assert "data.tokenizer is ''" in error(tokenizer="")
     assert "data.mixture is set" in error(mixture=f"a={corpus / 'c'}:1")
     (tmp_path / "i.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
@@ -179,15 +186,35 @@ def test_bad_streaming_settings_are_one_line(corpus, tmp_path):
     one_line(e, "none.txt")
 
 
+def test_streaming_reads_validation_data_as_the_cached_paths_do(corpus, tmp_path):
+    """data.val_path beside a stream is tokenized once (or read from shards) and evaluated
+    whole: the same rows as a run that caches data.path."""
+    val = tmp_path / "val.jsonl"
+    val.write_text((corpus / "c" / "a.jsonl").read_text())
+    cfg = job(corpus)
+    cfg.data.val_path = str(val)
+    streamed = build_run_data(cfg, RunLayout.build(cfg, 1), 0, True, lambda: None)
+    cfg.data.streaming = False
+    cached = build_run_data(cfg, RunLayout.build(cfg, 1), 0, True, lambda: None)
+    assert len(streamed.val) == len(cached.val) > 1
+    got = list(streamed.val.batches(0, 1, 2))
+    want = list(cached.val.batches(0, 1, 2))
+    assert all(torch.equal(a.inputs, b.inputs) for a, b in zip(got, want, strict=True))
+    assert "validation:" in streamed.describe()
+    streamed.close()
+
+
 @pytest.mark.slow
 def test_a_streamed_2x2_run_resumes_in_one_process_with_the_straight_runs_losses(corpus, tmp_path):
-    """Through the trainer: a streamed run on 2x2 (dp 2: two reader threads, the dp all-gather)
-    stopped after step 2 and resumed in one process (dp 1) trains on what a straight one-process
-    run trains on: the same losses at every step (to 1e-5: another mesh sums in another order);
-    the summary reports the data wait."""
+    """Through the trainer: a streamed run on 2x2 (four reader threads, the world all-gather)
+    stopped after step 2 (mid-block: 8 windows in blocks of 5) and resumed in one process
+    (dp 1) trains on what a straight one-process run trains on, and that on what a run of the
+    cached (inline) path trains on: the same losses at every step (to 1e-5: another mesh sums in
+    another order); the summary reports the data wait."""
 
-    def run(ranks, run_dir, *more):
-        recipe = ["recipes/llama.py", "--data.streaming", "true", "--data.path",
+    def run(ranks, run_dir, *more, streaming="true"):
+        recipe = ["recipes/llama.py", "--data.streaming", streaming, "--data.shuffle_block", "5",
+                  "--data.path",
                   str(corpus / "c"), "--data.tokenizer", str(corpus / "tok.json"),
                   "--data.cache_dir", str(tmp_path / "cache"), "--model.vocab_size", str(VOCAB),
                   "--train.seq_len", "64", "--train.global_batch", "4", "--train.steps", "4",
@@ -201,6 +228,8 @@ def test_a_streamed_2x2_run_resumes_in_one_process_with_the_straight_runs_losses
         return json.loads((run_dir / "summary.json").read_text())
 
     straight = run(1, tmp_path / "straight")
+    inline = run(1, tmp_path / "inline", streaming="false")
+    assert inline["losses"] == straight["losses"]  # one process, the same windows: bitwise
     first = run(4, tmp_path / "split", "--checkpoint.stop_after", "2")
     resumed = run(1, tmp_path / "split", "--checkpoint.resume", "auto")
     assert first["mesh"]["dp_shard"] == 2 and first["mesh"]["tp"] == 2

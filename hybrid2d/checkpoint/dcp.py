@@ -178,6 +178,17 @@ def _drop_unsaved_rng(state: dict, meta: Metadata) -> None:
             del rng[name]
 
 
+def _drop_unsaved_optional(state: dict, states: dict, meta: Metadata) -> None:
+    """A key an object lists in `optional_state_keys` (one added to its state after checkpoints
+    were written without it, e.g. the data loader's shuffle_block) is left out of what is loaded
+    when the checkpoint lacks it: the object's load_state_dict sees it absent and decides."""
+    for place, obj in states.items():
+        for key in getattr(obj, "optional_state_keys", ()):
+            holder, last = _inside(state, f"{place}.{key}")
+            if f"{place}.{key}" not in meta.state_dict_metadata:
+                holder.pop(last, None)
+
+
 def _missing_or_mismatched(template: dict, meta: Metadata) -> str | None:
     """The first key of the state to load that the checkpoint lacks or has in another shape."""
     flat, _ = flatten_state_dict(template)
@@ -395,6 +406,7 @@ class Checkpointer:
         def check() -> None:
             meta = read_metadata(path)
             _drop_unsaved_rng(state, meta)
+            _drop_unsaved_optional(state, self.states, meta)
             problem = _missing_or_mismatched(state, meta)
             if problem:
                 saved = read_config(path)

@@ -163,8 +163,9 @@ class RunData:
     def describe(self) -> str:
         if isinstance(self.loader, StreamingLoader):
             parts = [f"data: text from {self.loader.cfg.path or 'the built-in corpus'!r}, "
-                     "streamed: each dp rank's reader thread tokenizes its share of the "
-                     "documents; windows in stream order"]  # fmt: skip
+                     f"streamed: a reader thread on each of {self.loader.readers} ranks "
+                     "tokenizes its share of the documents; windows shuffled in blocks of "
+                     f"{self.loader.block:,}, as inline"]  # fmt: skip
         elif isinstance(self.loader, MixtureLoader):
             mix = ", ".join(
                 f"{s.name} {w:.0%} ({len(ds)} samples)"
@@ -376,15 +377,18 @@ def _val_config(data):
 
 def build_run_data(
     cfg: JobConfig, layout: RunLayout, dp_rank: int, is_main: bool, barrier: Callable[[], None],
-    all_gather: Callable[[object], list] | None = None,
+    all_gather: Callable[[object], list] | None = None, readers: tuple[int, int] | None = None,
 ) -> RunData:  # fmt: skip
     """Loader for this dp rank, tokenizer, validation set; the tokenizer, the vocabulary size
-    and the batch split are the layout's. Every process must call it (it calls barrier())."""
+    and the batch split are the layout's. Every process must call it (it calls barrier()).
+    Streaming: this rank is reader readers[0] of readers[1] (default: its dp rank of dp) and
+    all_gather gathers over the readers."""
     d, t = dataclasses.replace(cfg.data, tokenizer=layout.tokenizer), cfg.train
     vocab_size = layout.model.vocab_size
     cache_dir = cache_dir_for(cfg)
     if d.streaming:
-        return _streaming_run_data(cfg, d, layout, dp_rank, all_gather)
+        readers = readers or (dp_rank, layout.dp)
+        return _streaming_run_data(cfg, d, layout, dp_rank, all_gather, is_main, barrier, readers)
     if d.mixture:
         return _mixture_run_data(cfg, d, layout, dp_rank, is_main, barrier)
     # Cheap checks on every rank first, so a bad data.path fails everywhere at once instead of
@@ -438,7 +442,9 @@ def build_run_data(
     if val_ds is not None:
         stats["val_samples"] = len(val_ds)
         val = EvalSet(PackedRows(val_ds) if packed else val_ds, source)
-    loader = GlobalBatchLoader(dataset, layout, dp_rank, t.seed, packed=packed)
+    # Text windows in blocks (order.py, the order streaming serves too); samples whole-epoch.
+    block = d.shuffle_block if kind == "text" else 0
+    loader = GlobalBatchLoader(dataset, layout, dp_rank, t.seed, packed, shuffle_block=block)
     preview = None
     if packed:
         preview = PackingCounts()
@@ -532,7 +538,9 @@ def _mixture_run_data(
         _dataset(cfg, sd, tok, tok_dir, cache_dir, f"data.mixture[{src.name}]", build=False)[0]
         for src, sd in sources
     ]
-    loader = MixtureLoader([s for s, _ in sources], datasets, layout, dp_rank, cfg.train.seed)
+    loader = MixtureLoader(
+        [s for s, _ in sources], datasets, layout, dp_rank, cfg.train.seed, d.shuffle_block
+    )
     val, stats = None, {"document_mask": d.document_mask}
     if val_cfg is not None:
         val_ds, _ = _dataset(cfg, val_cfg, tok, tok_dir, cache_dir, "data.val_path", build=False)
@@ -541,31 +549,55 @@ def _mixture_run_data(
     return RunData(loader, tok, val, "text", stats, tokenizer_dir=tok_dir)
 
 
-def _streaming_run_data(cfg: JobConfig, d, layout: RunLayout, dp_rank: int, all_gather):
-    """RunData whose loader tokenizes data.path on the fly (stream.py); nothing is cached."""
+def _streaming_run_data(
+    cfg: JobConfig, d, layout: RunLayout, dp_rank: int, all_gather, is_main: bool, barrier,
+    readers: tuple[int, int],
+) -> RunData:  # fmt: skip
+    """RunData whose loader tokenizes data.path on the fly (stream.py); nothing of it is cached.
+    data.val_path is read as the other paths read it (tokenized once by the main process, or
+    preprocessed shards): a held-out set is small and evaluated whole."""
     why = None
     if d.mixture:
         why = "data.mixture is set; streaming reads one data.path"
     elif is_preprocessed(d.path):
         why = f"data.path={d.path!r} is tokenized already (shards are read directly)"
-    elif d.val_fraction or d.val_path:
-        why = "validation data (data.val_path, data.val_fraction) is not read while streaming yet"
+    elif d.val_fraction:
+        why = (
+            f"data.val_fraction={d.val_fraction:g} cannot be held out of a stream (it never "
+            "holds the corpus to take a fraction of); give held-out text as data.val_path"
+        )
     elif not d.tokenizer:
         why = "data.tokenizer is '' and a BPE would be trained on the whole corpus first; set it"
     elif check_kinds(cfg, d, None) != "text":
         why = f"data.path={d.path!r} is instruction data; streaming is for text"
     if why:
         raise ConfigError(f"data.streaming=true: {why}; or leave data.streaming at false")
-    if layout.dp > 1 and all_gather is None:
-        raise ValueError("streaming over dp > 1 needs all_gather over the dp group")
+    if readers[1] > 1 and all_gather is None:
+        raise ValueError("streaming over several readers needs all_gather over them")
+    val_cfg = _val_config(d)
+    if val_cfg is not None and _kind(cfg, val_cfg, "data.val_path") != "text":
+        raise ConfigError(
+            f"data.val_path={d.val_path!r} is {_KIND_NAME['instruct']}, but data.path={d.path!r}"
+            " is text: validation is measured on the training data's kind; give held-out text"
+        )
     gather = all_gather or (lambda obj: [obj])
     cache_dir = cache_dir_for(cfg)
     tok = load_or_train_tokenizer(d, layout.model.vocab_size, cache_dir, build=False)
     source_files(d, "data.path")  # a missing path is one line now, not in the reader thread
-    eos = eos_id(tok) if d.document_mask == "on" else None
-    loader = StreamingLoader(d, tok, layout, cfg.train.seq_len, dp_rank, gather, eos)
     stats = {"document_mask": d.document_mask, "streaming": True}
-    return RunData(loader, tok, None, "text", stats, tokenizer_dir=d.tokenizer)
+    val = None
+    if val_cfg is not None:
+        if is_main:
+            _dataset(cfg, val_cfg, tok, d.tokenizer, cache_dir, "data.val_path", build=True)
+        barrier()
+        val_ds, _ = _dataset(cfg, val_cfg, tok, d.tokenizer, cache_dir, "data.val_path", False)
+        val = EvalSet(val_ds, repr(d.val_path))
+        stats["val_samples"] = len(val_ds)
+    eos = eos_id(tok) if d.document_mask == "on" else None
+    loader = StreamingLoader(
+        d, tok, layout, cfg.train.seq_len, dp_rank, gather, eos, cfg.train.seed, readers
+    )
+    return RunData(loader, tok, val, "text", stats, tokenizer_dir=d.tokenizer)
 
 
 def build_data(

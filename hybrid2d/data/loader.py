@@ -1,10 +1,11 @@
 """A resumable loader that hands each data-parallel rank its share of one global batch.
 
-The order of samples depends only on (seed, epoch), and the loader's state is the number of
-samples consumed globally. A step's global batch is therefore the same whatever the dp size,
-which is what lets a run resume on a different mesh and still see exactly the data a straight
-run would have, and what lets tests compare the union of the ranks' slices with a
-single-process reference.
+The order of samples depends only on (seed, epoch) and, for text windows, data.shuffle_block
+(order.py: each epoch permuted in blocks, the order streaming can serve too); the loader's state
+is the number of samples consumed globally. A step's global batch is therefore the same whatever
+the dp size, which is what lets a run resume on a different mesh and still see exactly the
+data a straight run would have, and what lets tests compare the union of the ranks' slices
+with a single-process reference.
 
 A step is global_batch rows. Unpacked, a row is one sample (a text window, or an instruction
 sample padded); packed (instruction data, data.packing packed), the rows hold as many samples
@@ -15,9 +16,9 @@ number of samples, but which ones depends only on the position and never on the 
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from hybrid2d.data.batch import Batch
+from hybrid2d.data.order import BlockOrder, effective_block
 from hybrid2d.data.rows import fill_rows
 from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
@@ -27,15 +28,17 @@ class GlobalBatchLoader:
     """Global step s covers global sample positions [consumed, consumed + k) (k = global_batch
     unpacked, the samples packed into global_batch rows packed).
 
-    Position p belongs to epoch p // N (N = len(dataset)) and maps to sample perm_e[p % N], where
-    perm_e = torch.randperm(N) drawn from a generator seeded with seed + epoch. Rank r of dp_size
-    takes the contiguous rows [r*B/dp, (r+1)*B/dp) of the step and splits them into micro
+    Position p belongs to epoch p // N (N = len(dataset)) and maps to the sample order.py's
+    BlockOrder gives it: epoch e permuted in blocks of `shuffle_block` samples (0, what
+    instruction data takes: the whole epoch by torch.randperm(N) seeded with seed + e). Rank r
+    of dp_size takes the contiguous rows [r*B/dp, (r+1)*B/dp) of the step and splits them into micro
     batches of the layout's micro batch size.
     """
 
     def __init__(
-        self, dataset, layout: RunLayout, dp_rank: int, seed: int = 0, packed: bool = False
-    ):
+        self, dataset, layout: RunLayout, dp_rank: int, seed: int = 0, packed: bool = False,
+        shuffle_block: int = 0,
+    ):  # fmt: skip
         if not 0 <= dp_rank < layout.dp:
             raise ValueError(f"dp_rank={dp_rank} is not in [0, dp={layout.dp})")
         self.dataset = dataset
@@ -48,33 +51,17 @@ class GlobalBatchLoader:
         self.packed = packed  # the dataset has sizes() and pack() (instruction samples)
         self.samples_consumed = 0
         self.served = PackingCounts()  # the global rows of this launch's steps
-        self._perms: dict[int, np.ndarray] = {}
+        self.shuffle_block = shuffle_block
+        self.order = BlockOrder(len(dataset), shuffle_block, seed)
 
     @property
     def epoch(self) -> int:
         """The epoch the next sample comes from."""
         return self.samples_consumed // len(self.dataset)
 
-    def _perm(self, epoch: int) -> np.ndarray:
-        perm = self._perms.get(epoch)
-        if perm is None:
-            g = torch.Generator().manual_seed(self.seed + epoch)
-            perm = torch.randperm(len(self.dataset), generator=g).numpy()
-            # A step spans at most a few epochs; keep only the newest two permutations.
-            self._perms = {e: p for e, p in self._perms.items() if e >= epoch - 1}
-            self._perms[epoch] = perm
-        return perm
-
     def sample_indices(self, start: int, count: int) -> np.ndarray:
         """Dataset indices of global positions [start, start + count)."""
-        n = len(self.dataset)
-        pos = np.arange(start, start + count, dtype=np.int64)
-        epochs, within = np.divmod(pos, n)
-        out = np.empty(count, dtype=np.int64)
-        for e in np.unique(epochs):
-            mask = epochs == e
-            out[mask] = self._perm(int(e))[within[mask]]
-        return out
+        return self.order.indices(start, count)
 
     def step_rows(self, consumed: int) -> tuple[list[np.ndarray], int]:
         """Packed: the dataset indices of each of the step's global_batch rows, and how many
@@ -113,11 +100,20 @@ class GlobalBatchLoader:
         return [batch.rows(i, i + mb) for i in range(0, self.local_batch, mb)]
 
     def state_dict(self) -> dict:
-        return {"samples_consumed": self.samples_consumed, "seed": self.seed}
+        return {
+            "samples_consumed": self.samples_consumed,
+            "seed": self.seed,
+            "shuffle_block": self.shuffle_block,
+        }
+
+    # A checkpoint written before data.shuffle_block existed lacks the key (the Checkpointer
+    # then loads the state without it); its order was the whole-epoch permutation.
+    optional_state_keys = ("shuffle_block",)
 
     def load_state_dict(self, state: dict) -> None:
         """Continue after state["samples_consumed"] global samples, on any dp size."""
         check_data_seed(self.seed, state)
+        check_shuffle_block(self.shuffle_block, state, len(self.dataset))
         self.samples_consumed = int(state["samples_consumed"])
 
 
@@ -129,6 +125,27 @@ def check_data_seed(seed: int, state: dict) -> None:
             f"train.seed={seed} differs from the checkpoint's data seed {state['seed']}; "
             f"resume with --train.seed {state['seed']} to keep the data order"
         )
+
+
+def check_shuffle_block(block: int, state: dict, windows: int | None) -> None:
+    """A loader's checkpointed order was drawn in blocks of the saved data.shuffle_block (absent:
+    a checkpoint from before the setting, whose order was the whole epoch's, as block 0). A
+    resume whose blocks differ over an epoch of `windows` (None: a stream, which does not know
+    its epoch, so any other value differs) would continue in another order: refused in one line."""
+    saved = int(state.get("shuffle_block", 0))
+    if windows is None and saved == block:
+        return
+    if windows is not None and effective_block(saved, windows) == effective_block(block, windows):
+        return
+    was = (
+        f"{saved}" if "shuffle_block" in state
+        else "0 (it predates the setting: its order is the whole epoch's permutation)"
+    )  # fmt: skip
+    over = f" over {windows} windows an epoch" if windows is not None else ""
+    raise ConfigError(
+        f"data.shuffle_block={block} differs from the checkpoint's data.shuffle_block={was}"
+        f"{over}; resume with --data.shuffle_block {saved} to keep the data order"
+    )
 
 
 class PackingCounts:

@@ -5,9 +5,10 @@ each path is what data.path takes for text (a preprocessed shard directory, or f
 inline). Global sample position p comes from source src(p), drawn with the source's weight from
 a generator seeded by (train.seed, p // BLOCK): the choice of every position is fixed by the
 seed alone, whatever the mesh. Within a source the samples follow that source's own epoch
-permutations (GlobalBatchLoader's order, seeded per source), and the k-th sample a source gives
-is its k-th in that order. The loader's state is the global position plus each source's count of
-samples taken, so a resume, on any dp size, continues with the samples a straight run sees.
+order (GlobalBatchLoader's: permuted in blocks of data.shuffle_block, seeded per source), and
+the k-th sample a source gives is its k-th in that order. The loader's state is the global
+position plus each source's count of samples taken, so a resume, on any dp size, continues
+with the samples a straight run sees.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 from hybrid2d.data.batch import Batch
-from hybrid2d.data.loader import GlobalBatchLoader, check_data_seed
+from hybrid2d.data.loader import GlobalBatchLoader, check_data_seed, check_shuffle_block
 from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
 
@@ -72,7 +73,8 @@ class MixtureLoader:
     [r*B/dp, (r+1)*B/dp) of it, each row the next unseen sample of the source drawn for it."""
 
     def __init__(
-        self, sources: list[Source], datasets: list, layout: RunLayout, dp_rank: int, seed: int = 0
+        self, sources: list[Source], datasets: list, layout: RunLayout, dp_rank: int, seed: int = 0,
+        shuffle_block: int = 0,
     ):  # fmt: skip
         if not 0 <= dp_rank < layout.dp:
             raise ValueError(f"dp_rank={dp_rank} is not in [0, dp={layout.dp})")
@@ -83,9 +85,10 @@ class MixtureLoader:
         self._cum = np.cumsum(self.weights)
         self.datasets = datasets
         self.seq_len = datasets[0].seq_len
-        # Each source's order: its own epoch permutations, seeded apart from the others'.
+        # Each source's order: its own epochs permuted in blocks, seeded apart from the others'.
+        self.shuffle_block = block = shuffle_block
         self.orders = [
-            GlobalBatchLoader(ds, layout, 0, seed=seed + 7919 * (i + 1))
+            GlobalBatchLoader(ds, layout, 0, seed=seed + 7919 * (i + 1), shuffle_block=block)
             for i, ds in enumerate(datasets)
         ]
         self.global_batch = layout.global_batch
@@ -171,12 +174,17 @@ class MixtureLoader:
         return {
             "samples_consumed": self.samples_consumed,
             "seed": self.seed,
+            "shuffle_block": self.shuffle_block,
             "mixture": {n: int(k) for n, k in zip(self.names, self.taken, strict=True)},
         }
+
+    optional_state_keys = GlobalBatchLoader.optional_state_keys
 
     def load_state_dict(self, state: dict) -> None:
         """Continue after state["samples_consumed"] global samples, each source after its
         count, on any dp size."""
         check_data_seed(self.seed, state)
+        for ds in self.datasets:
+            check_shuffle_block(self.shuffle_block, state, len(ds))
         self.samples_consumed = int(state["samples_consumed"])
         self.taken = np.array([int(state["mixture"][n]) for n in self.names], dtype=np.int64)

@@ -1,26 +1,33 @@
-"""Streaming: text that is not preprocessed, tokenized on the fly by every dp rank for its part.
+"""Streaming: text that is not preprocessed, tokenized on the fly, each rank its part.
 
 The stream is the inline path's flat stream (documents in corpus order, each BOS + ids + EOS,
-tokens.encode_chunks) cut into the same windows (window i = tokens[i*L : i*L + L + 1]), taken in
-order, not shuffled: a reader that has not tokenized the corpus cannot draw the inline path's
-permutation of all windows. Global sample position p is the next window of the stream; at the
-corpus's end the epoch ends (the tail shorter than a window is dropped, as inline) and the next
-starts again at window 0.
+tokens.encode_chunks) cut into the same windows (window i = tokens[i*L : i*L + L + 1]), served
+in the inline path's order (order.py): each block of data.shuffle_block windows is read whole,
+then permuted with the block's generator, so global position p is the same window inline,
+preprocessed and streamed. At the corpus's end the epoch ends (the tail shorter than a window is
+dropped, as inline; the last block is short) and the next starts again at window 0. While a
+block is served, the next is read ahead in proportion to how much of this one is gone, so the
+windows held stay about one block (shuffle_block x (seq_len + 1) tokens per rank), and only the
+first step waits for a whole block to be tokenized.
 
-Work is split by document: in each round, rank r of dp tokenizes document start + k*dp + r in a
-background thread, and one all-gather over dp hands every rank the round's documents in order.
-Every rank then holds the step's windows and keeps its rows, so the stream does not depend on the
-dp size, and the position saved (document, tokens of it already behind, window of the epoch) lets
-a resume on any dp size continue with exactly the windows a straight run takes.
+Work is split by document over every rank of the job (dp x tp, the readers): in each round,
+reader r of R tokenizes its group of documents in a background thread, and one all-gather over
+the world hands every rank the round's R groups in order. Every rank then holds the step's
+windows and keeps its dp rank's rows, so the stream depends on neither the dp size nor the
+mesh, and the position saved (the block being served, where it starts in the corpus: document
+and tokens of it behind, and how many of its windows are served) lets a resume on any mesh
+read that block again and continue with exactly the windows a straight run takes.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -29,6 +36,8 @@ from tokenizers import Tokenizer
 from hybrid2d.config import DataConfig
 from hybrid2d.data.batch import Batch
 from hybrid2d.data.corpus import corpus_documents
+from hybrid2d.data.loader import check_data_seed, check_shuffle_block
+from hybrid2d.data.order import block_permutation
 from hybrid2d.data.packing import windows_batch
 from hybrid2d.data.tokens import encode_chunks
 from hybrid2d.errors import ConfigError
@@ -41,27 +50,28 @@ _END = "end"
 
 class _Reader:
     """A thread that encodes this rank's groups of `per_round` documents (group g, counted from
-    `start`, belongs to rank g % dp) into a bounded queue, a list of id arrays per group, then
-    _END (or the exception reading raised)."""
+    `start`, belongs to reader g % readers) into a bounded queue, a list of id arrays per
+    group, then _END (or the exception reading raised)."""
 
     def __init__(
-        self, cfg: DataConfig, tok: Tokenizer, start: int, dp_rank: int, dp: int, per_round: int
+        self, cfg: DataConfig, tok: Tokenizer, start: int, reader: int, readers: int,
+        per_round: int,
     ):  # fmt: skip
         self.per_round = per_round
         self.queue: queue.Queue = queue.Queue(maxsize=AHEAD_ROUNDS)
         self.stop = threading.Event()
         self.thread = threading.Thread(
-            target=self._run, args=(cfg, tok, start, dp_rank, dp), daemon=True,
-            name=f"stream-reader-{dp_rank}",
+            target=self._run, args=(cfg, tok, start, reader, readers), daemon=True,
+            name=f"stream-reader-{reader}",
         )  # fmt: skip
         self.thread.start()
 
-    def _mine(self, cfg: DataConfig, start: int, dp_rank: int, dp: int, groups: list):
+    def _mine(self, cfg: DataConfig, start: int, reader: int, readers: int, groups: list):
         for d, doc in enumerate(corpus_documents(cfg)):
             if self.stop.is_set():
                 return
             group = (d - start) // self.per_round
-            if d >= start and group % dp == dp_rank:
+            if d >= start and group % readers == reader:
                 groups.append(group)
                 yield doc
 
@@ -74,11 +84,11 @@ class _Reader:
                 continue
         return False
 
-    def _run(self, cfg, tok, start, dp_rank, dp) -> None:
+    def _run(self, cfg, tok, start, reader, readers) -> None:
         groups: list[int] = []  # the group of each document read, in order
         current, docs = None, []
         try:
-            for ids, lengths in encode_chunks(self._mine(cfg, start, dp_rank, dp, groups), tok):
+            for ids, lengths in encode_chunks(self._mine(cfg, start, reader, readers, groups), tok):
                 for doc_ids in np.split(ids, np.cumsum(lengths)[:-1]):
                     group = groups.pop(0)
                     if group != current and docs:
@@ -97,43 +107,65 @@ class _Reader:
         self.thread.join(timeout=5)
 
 
+@dataclass
+class _Block:
+    """Windows [index*B, index*B + B) of an epoch of the stream, the first starting `skip`
+    tokens into document `doc`; once read whole, in the order they are served."""
+
+    epoch: int
+    index: int
+    doc: int
+    skip: int
+    windows: list = field(default_factory=list)
+    last: bool = False  # the corpus ended in it: the epoch's last block (short, or empty)
+
+
 class StreamingLoader:
     """GlobalBatchLoader's interface (next_batch, state_dict, load_state_dict) over the stream.
-    `all_gather(obj)` returns every dp rank's obj in rank order (one collective over dp)."""
+    This rank is reader `readers[0]` of `readers[1]` (default: its dp rank of dp), and
+    `all_gather(obj)` returns every reader's obj in reader order (one collective over them)."""
 
     def __init__(
         self, cfg: DataConfig, tok: Tokenizer, layout: RunLayout, seq_len: int, dp_rank: int,
-        all_gather: Callable[[object], list], eos: int | None = None,
+        all_gather: Callable[[object], list], eos: int | None = None, seed: int = 0,
+        readers: tuple[int, int] | None = None,
     ):  # fmt: skip
+        if cfg.shuffle_block < 1:
+            raise ValueError("streaming needs data.shuffle_block >= 1 (config.py refuses 0)")
         self.cfg = cfg
         self.tok = Tokenizer.from_str(tok.to_str())  # the reader's own: encoding toggles it
         self.seq_len = seq_len
+        self.block = cfg.shuffle_block
+        self.seed = seed
         self.global_batch = layout.global_batch
         self.local_batch = layout.local_batch
         self.micro_batch = layout.micro_batch
         self.dp_rank, self.dp_size = dp_rank, layout.dp
+        self.reader, self.readers = readers or (dp_rank, layout.dp)
         self.all_gather = all_gather
         self.eos = eos
         self.round_docs = ROUND_DOCS  # the stream does not depend on it (tests make it small)
         self.samples_consumed = 0
-        self.epoch = 0
-        self.window = 0  # windows of this epoch taken
-        self.doc = 0  # the document the next window starts in ...
-        self.skip = 0  # ... after this many of its tokens
-        self.data_wait_s = 0.0  # the last step's longest wait for a reader, over dp
+        self.data_wait_s = 0.0  # the last step's longest wait for a reader, over the readers
         self.data_wait_total_s = 0.0
+        self._start = _Block(0, 0, 0, 0)  # the block to serve first, and `_served` of it
+        self._current: _Block | None = None  # read whole and permuted: being served
+        self._served = 0  # windows of _current served
+        self._next: _Block | None = None  # being read ahead
+        self.doc = 0  # the reader's head: the document its next window starts in ...
+        self.skip = 0  # ... after this many of its tokens
         self._reader: _Reader | None = None
         self._docs: collections.deque = collections.deque()  # ids of self.doc on
         self._buffered = 0  # tokens in self._docs
         self._exhausted = False
         self._step_wait = 0.0  # this rank's seconds waiting for its reader in this step
 
-    def _restart(self) -> None:
+    def _restart(self, doc: int, skip: int) -> None:
+        """The reader from window `skip` tokens into document `doc` on."""
         if self._reader is not None:
             self._reader.close()
-        self._reader = _Reader(
-            self.cfg, self.tok, self.doc, self.dp_rank, self.dp_size, self.round_docs
-        )
+        self.doc, self.skip = doc, skip
+        self._reader = _Reader(self.cfg, self.tok, doc, self.reader, self.readers, self.round_docs)
         self._docs.clear()
         self._buffered = 0
         self._exhausted = False
@@ -161,7 +193,8 @@ class StreamingLoader:
         return self._buffered - self.skip
 
     def _take(self, count: int, waits: list[float]) -> list[np.ndarray]:
-        """The next `count` windows of this epoch, fewer at its end."""
+        """The reader's next `count` windows (each its own copy, so a served one is freed),
+        fewer at the corpus's end."""
         L = self.seq_len
         while self._available() < count * L + 1 and not self._exhausted:
             self._round(waits)
@@ -169,56 +202,117 @@ class StreamingLoader:
         if n == 0:
             return []
         flat = np.concatenate(self._docs)[self.skip : self.skip + n * L + 1]
-        self.window += n
         self.skip += n * L
         while self._docs and self.skip >= len(self._docs[0]):
             self.skip -= len(self._docs[0])
             self._buffered -= len(self._docs.popleft())
             self.doc += 1
-        return [flat[i * L : i * L + L + 1] for i in range(n)]
+        return [flat[i * L : i * L + L + 1].copy() for i in range(n)]
 
-    def next_batch(self) -> list[Batch]:
-        """This rank's micro batches for the next step; advances state."""
-        if self._reader is None:
-            self._restart()
-        self._step_wait = 0.0
-        waits = [0.0]
-        windows: list[np.ndarray] = []
-        while len(windows) < self.global_batch:
-            got = self._take(self.global_batch - len(windows), waits)
-            if not got and self.window == 0:
+    def _fill(self, blk: _Block, want: int, waits: list[float]) -> None:
+        """Read `blk` (the block at the reader's head) up to `want` windows, or its end."""
+        missing = want - len(blk.windows)
+        if missing > 0 and not blk.last:
+            got = self._take(missing, waits)
+            blk.windows += got
+            blk.last = len(got) < missing
+
+    def _following(self, blk: _Block) -> _Block:
+        """The block after `blk`, which is read whole: the next of its epoch, where the reader
+        stands, or after the epoch's last the next epoch's first (the reader starts over)."""
+        if blk.last:
+            self._restart(0, 0)
+            return _Block(blk.epoch + 1, 0, 0, 0)
+        return _Block(blk.epoch, blk.index + 1, self.doc, self.skip)
+
+    def _ready(self, blk: _Block, waits: list[float]) -> _Block:
+        """`blk` read whole and permuted, the order.py block the other paths serve; an empty
+        block (the epoch ended at a block's edge) gives the next epoch's first instead."""
+        self._fill(blk, self.block, waits)
+        if not blk.windows:
+            if blk.index == 0:
                 raise ConfigError(
                     f"data.path={self.cfg.path!r} holds fewer than train.seq_len+1="
                     f"{self.seq_len + 1} tokens; use more text or a smaller train.seq_len"
                 )
-            windows += got
-            if len(windows) < self.global_batch:  # the corpus ended: the next epoch
-                self.epoch, self.window, self.doc, self.skip = self.epoch + 1, 0, 0, 0
-                self._restart()
+            return self._ready(self._following(blk), waits)
+        perm = block_permutation(self.seed, blk.epoch, blk.index, len(blk.windows))
+        blk.windows = [blk.windows[i] for i in perm]
+        return blk
+
+    def next_batch(self) -> list[Batch]:
+        """This rank's micro batches for the next step; advances state."""
+        self._step_wait = 0.0
+        waits = [0.0]
+        if self._current is None:  # the first step, or the first after a resume
+            s = self._start
+            self._restart(s.doc, s.skip)
+            self._current = self._ready(_Block(s.epoch, s.index, s.doc, s.skip), waits)
+            self._next = self._following(self._current)
+        rows: list[np.ndarray] = []
+        while len(rows) < self.global_batch:
+            cur = self._current
+            if self._served == len(cur.windows):
+                cur = self._current = self._ready(self._next, waits)
+                self._next = self._following(cur)
+                self._served = 0
+            n = min(self.global_batch - len(rows), len(cur.windows) - self._served)
+            rows += cur.windows[self._served : self._served + n]
+            cur.windows[self._served : self._served + n] = [None] * n  # served: freed
+            self._served += n
+        # Read the next block ahead in proportion to this one served: one block held in all.
+        ahead = math.ceil(self._served * self.block / len(self._current.windows))
+        self._fill(self._next, ahead, waits)
         self.samples_consumed += self.global_batch
-        # The last round carried every rank's wait in this step: the step's longest over dp.
+        # The last round carried every reader's wait in this step: the step's longest.
         self.data_wait_s = max(waits)
         self.data_wait_total_s += self.data_wait_s
         lo = self.dp_rank * self.local_batch
-        mine = torch.from_numpy(np.stack(windows[lo : lo + self.local_batch]).astype(np.int64))
+        mine = torch.from_numpy(np.stack(rows[lo : lo + self.local_batch]).astype(np.int64))
         batch = windows_batch(mine, self.eos)
         mb = self.micro_batch
         return [batch.rows(i, i + mb) for i in range(0, self.local_batch, mb)]
 
     def state_dict(self) -> dict:
+        """The position: the block being served (where it starts in the corpus) and the windows
+        of it served; a block served to its end is saved as the next, none of it served."""
+        blk, served = self._start, self._served
+        if self._current is not None:
+            blk = self._current
+            if served == len(blk.windows):
+                blk, served = self._next, 0
         return {
             "samples_consumed": self.samples_consumed,
-            "stream": {"epoch": self.epoch, "window": self.window, "document": self.doc,
-                       "skip": self.skip},
+            "seed": self.seed,
+            "shuffle_block": self.block,
+            "stream": {"epoch": blk.epoch, "block": blk.index, "served": served,
+                       "document": blk.doc, "skip": blk.skip},
         }  # fmt: skip
 
+    # Keys a checkpoint from before blocks lacks (its stream was served unshuffled): loaded
+    # without them, they are missing from the state load_state_dict refuses in one line.
+    optional_state_keys = ("seed", "shuffle_block", "stream.block", "stream.served")
+
     def load_state_dict(self, state: dict) -> None:
-        """Continue at the saved window, on any dp size: the reader restarts at its document."""
+        """Continue at the saved block and window, on any dp size: the next step reads the
+        block again from its first document and serves it from the saved window on."""
+        if "shuffle_block" not in state:
+            raise ConfigError(
+                "the checkpoint's streamed position was saved before streaming served windows "
+                "in data.shuffle_block blocks (its windows came in corpus order, which this "
+                "version does not serve); start a new run, with --checkpoint.init_from dcp:PATH "
+                "to keep its weights"
+            )
+        check_data_seed(self.seed, state)
+        check_shuffle_block(self.block, state, None)
         s = state["stream"]
         self.samples_consumed = int(state["samples_consumed"])
-        self.epoch, self.window = int(s["epoch"]), int(s["window"])
-        self.doc, self.skip = int(s["document"]), int(s["skip"])
-        self._restart()
+        self._start = _Block(int(s["epoch"]), int(s["block"]), int(s["document"]), int(s["skip"]))
+        self._served = int(s["served"])
+        self._current = self._next = None
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
 
     def close(self) -> None:
         if self._reader is not None:
