@@ -24,7 +24,6 @@ from tokenizers import Tokenizer
 from hybrid2d.config import DataConfig, JobConfig
 from hybrid2d.data import build_run_data
 from hybrid2d.data.corpus import corpus_documents, corpus_identity, source_files
-from hybrid2d.data.packing import PackedDataset
 from hybrid2d.data.shards import open_shards
 from hybrid2d.data.tokens import encode_documents, tokenize_corpus
 from hybrid2d.errors import ConfigError
@@ -189,13 +188,21 @@ def streamed(cfg, dp: int, steps: int) -> list[torch.Tensor]:
 
 
 def test_streaming_reads_a_saved_dataset_and_an_hf_dir_as_the_inline_stream(made):
-    ref = PackedDataset(reference_tokens(made), SEQ)
-    steps = len(ref) // BATCH + 2  # into the second epoch (the reader opens the data again)
+    """Streamed from either, the global batches are the inline .jsonl run's (the one order of
+    data.shuffle_block; blocks of 5 windows, so several blocks and a short last one), into the
+    second epoch (the reader opens the data again)."""
+    inline = job(made, made / "text.jsonl")
+    inline.data.shuffle_block = 5
+    loader = build_run_data(inline, RunLayout.build(inline, 1), 0, True, lambda: None).loader
+    steps = len(loader.dataset) // BATCH + 2
+    assert len(loader.dataset) > 2 * 5  # several blocks
+    want = [loader.global_batch_at(s * BATCH).inputs for s in range(steps)]
     for path in (made / "saved", f"hf:{made / 'files'}"):
-        got = streamed(job(made, path, streaming=True), 2, steps)
+        cfg = job(made, path, streaming=True)
+        cfg.data.shuffle_block = 5
+        got = streamed(cfg, 2, steps)
         for s, batch in enumerate(got):
-            want = ref.gather(np.arange(s * BATCH, (s + 1) * BATCH) % len(ref)).inputs
-            assert torch.equal(batch, want), (path, s)
+            assert torch.equal(batch, want[s]), (path, s)
 
 
 def test_the_hf_spelling():
