@@ -40,11 +40,11 @@ from hybrid2d.data.instruct import (
     sample_texts,
 )
 from hybrid2d.data.loader import GlobalBatchLoader, PackingCounts
-from hybrid2d.data.mixture import MixtureLoader, parse_mixture
+from hybrid2d.data.mixture import MixtureLoader, parse_mixture, source_seed
 from hybrid2d.data.packing import PackedDataset
 from hybrid2d.data.rows import first_fit_decreasing
 from hybrid2d.data.shards import TOKENIZER, TOOL, is_preprocessed, open_shards
-from hybrid2d.data.stream import StreamingLoader
+from hybrid2d.data.stream import StreamingLoader, WindowStream
 from hybrid2d.data.tokenizer import (
     eos_id,
     load_or_train_tokenizer,
@@ -168,11 +168,18 @@ class RunData:
                      f"{self.loader.block:,}, as inline"]  # fmt: skip
         elif isinstance(self.loader, MixtureLoader):
             mix = ", ".join(
-                f"{s.name} {w:.0%} ({len(ds)} samples)"
+                f"{s.name} {w:.0%} "
+                + ("(streamed)" if isinstance(ds, WindowStream) else f"({len(ds)} samples)")
                 for s, w, ds in zip(self.loader.sources, self.loader.weights,
                                     self.loader.datasets, strict=True)
             )  # fmt: skip
             parts = [f"data: text, a mixture of {mix}, each sample drawn by weight"]
+            if self.loader.streams:
+                first = next(iter(self.loader.streams.values()))
+                parts.append(
+                    f"streamed sources: a reader thread each on each of {first.readers}"
+                    f" ranks; windows shuffled in blocks of {first.block:,}, as inline"
+                )
         else:
             parts = [f"data: {self.kind}, {len(self.loader.dataset)} training samples"]
         if self.kind == "instruct":
@@ -204,23 +211,28 @@ class RunData:
             out["packing"] = self.loader.served.to_dict()
         if isinstance(self.loader, MixtureLoader):  # per source, over every launch of the run
             out["mixture"] = self.loader.summary()
-        if isinstance(self.loader, StreamingLoader):  # this launch's steps
+        if self._streamed():  # this launch's steps
             out["data_wait_s_total"] = round(self.loader.data_wait_total_s, 4)
         return out
 
     def close(self) -> None:
         """Stop what reads in the background (streaming's reader threads)."""
-        if isinstance(self.loader, StreamingLoader):
+        if isinstance(self.loader, (StreamingLoader, MixtureLoader)):
             self.loader.close()
+
+    def _streamed(self) -> bool:
+        """Whether a stream feeds the loader (data.path streamed, or a mixture's sources)."""
+        loader = self.loader
+        return isinstance(loader, StreamingLoader) or bool(getattr(loader, "streams", None))
 
     def scalars(self) -> dict[str, float]:
         """TensorBoard's data figures after a step: tokens seen per mixture source; streaming,
-        the step's data wait (seconds the longest-waiting dp rank waited for its reader)."""
-        if isinstance(self.loader, StreamingLoader):  # the longest over dp
-            return {"perf/data_wait_s": self.loader.data_wait_s}
-        if not isinstance(self.loader, MixtureLoader):
-            return {}
-        return {f"data/tokens_{n}": float(v) for n, v in self.loader.tokens_seen().items()}
+        the step's data wait (seconds the longest-waiting rank waited for its reader; a
+        mixture's streamed sources summed)."""
+        out = {"perf/data_wait_s": self.loader.data_wait_s} if self._streamed() else {}
+        if isinstance(self.loader, MixtureLoader):
+            out |= {f"data/tokens_{n}": float(v) for n, v in self.loader.tokens_seen().items()}
+        return out
 
 
 def data_kind(cfg: JobConfig, files: list[pathlib.Path], setting: str = "data.path") -> str:
@@ -388,6 +400,10 @@ def build_run_data(
     cache_dir = cache_dir_for(cfg)
     if d.streaming:
         readers = readers or (dp_rank, layout.dp)
+        if d.mixture:
+            return _streamed_mixture_run_data(
+                cfg, d, layout, dp_rank, all_gather, is_main, barrier, readers
+            )
         return _streaming_run_data(cfg, d, layout, dp_rank, all_gather, is_main, barrier, readers)
     if d.mixture:
         return _mixture_run_data(cfg, d, layout, dp_rank, is_main, barrier)
@@ -549,6 +565,51 @@ def _mixture_run_data(
     return RunData(loader, tok, val, "text", stats, tokenizer_dir=tok_dir)
 
 
+def _streamed_mixture_run_data(
+    cfg: JobConfig, d, layout: RunLayout, dp_rank: int, all_gather, is_main: bool, barrier,
+    readers: tuple[int, int],
+) -> RunData:  # fmt: skip
+    """RunData of data.mixture whose text sources are streamed (each a WindowStream, read by
+    every rank) and whose preprocessed sources are read from their shards, as unstreamed:
+    nothing is tokenized before the first step. data.val_path is read as _streaming_run_data
+    reads it."""
+    sources = check_mixture(cfg, d)  # data.tokenizer is set, every source text
+    if readers[1] > 1 and all_gather is None:
+        raise ValueError("streaming over several readers needs all_gather over them")
+    val_cfg = _val_config(d)
+    if val_cfg is not None and _kind(cfg, val_cfg, "data.val_path") != "text":
+        raise ConfigError(
+            f"data.val_path={d.val_path!r} is {_KIND_NAME['instruct']}, but data.mixture is "
+            "text; give held-out text"
+        )
+    gather = all_gather or (lambda obj: [obj])
+    cache_dir, tok_dir = cache_dir_for(cfg), d.tokenizer
+    tok = load_or_train_tokenizer(d, layout.model.vocab_size, cache_dir, build=False)
+    stats = {"document_mask": d.document_mask, "streaming": True}
+    val = None
+    if val_cfg is not None:
+        if is_main:
+            _dataset(cfg, val_cfg, tok, tok_dir, cache_dir, "data.val_path", build=True)
+        barrier()
+        val_ds, _ = _dataset(cfg, val_cfg, tok, tok_dir, cache_dir, "data.val_path", False)
+        val = EvalSet(val_ds, repr(d.val_path))
+        stats["val_samples"] = len(val_ds)
+    datasets = []
+    for i, (src, sd) in enumerate(sources):
+        setting = f"data.mixture[{src.name}]"
+        if is_preprocessed(sd.path):  # shards: read at any position, nothing to tokenize
+            datasets.append(_dataset(cfg, sd, tok, tok_dir, cache_dir, setting, build=False)[0])
+        else:
+            seed = source_seed(cfg.train.seed, i)
+            stream = WindowStream(sd, tok, cfg.train.seq_len, seed, gather, *readers, setting)
+            datasets.append(stream)
+    eos = eos_id(tok) if d.document_mask == "on" else None
+    loader = MixtureLoader(
+        [s for s, _ in sources], datasets, layout, dp_rank, cfg.train.seed, d.shuffle_block, eos
+    )
+    return RunData(loader, tok, val, "text", stats, tokenizer_dir=tok_dir)
+
+
 def _streaming_run_data(
     cfg: JobConfig, d, layout: RunLayout, dp_rank: int, all_gather, is_main: bool, barrier,
     readers: tuple[int, int],
@@ -557,9 +618,7 @@ def _streaming_run_data(
     data.val_path is read as the other paths read it (tokenized once by the main process, or
     preprocessed shards): a held-out set is small and evaluated whole."""
     why = None
-    if d.mixture:
-        why = "data.mixture is set; streaming reads one data.path"
-    elif is_preprocessed(d.path):
+    if is_preprocessed(d.path):
         why = f"data.path={d.path!r} is tokenized already (shards are read directly)"
     elif d.val_fraction:
         why = (

@@ -120,15 +120,16 @@ class _Block:
     last: bool = False  # the corpus ended in it: the epoch's last block (short, or empty)
 
 
-class StreamingLoader:
-    """GlobalBatchLoader's interface (next_batch, state_dict, load_state_dict) over the stream.
-    This rank is reader `readers[0]` of `readers[1]` (default: its dp rank of dp), and
-    `all_gather(obj)` returns every reader's obj in reader order (one collective over them)."""
+class WindowStream:
+    """One text source's windows in order.py's block order, read by every rank: `take(n)`
+    gives the next n windows of the source (the same on every rank, after the same rounds of
+    `all_gather`, so every rank must ask for the same counts in the same order). This rank is
+    reader `reader` of `readers`; `setting` names the source in errors."""
 
     def __init__(
-        self, cfg: DataConfig, tok: Tokenizer, layout: RunLayout, seq_len: int, dp_rank: int,
-        all_gather: Callable[[object], list], eos: int | None = None, seed: int = 0,
-        readers: tuple[int, int] | None = None,
+        self, cfg: DataConfig, tok: Tokenizer, seq_len: int, seed: int,
+        all_gather: Callable[[object], list], reader: int, readers: int,
+        setting: str = "data.path",
     ):  # fmt: skip
         if cfg.shuffle_block < 1:
             raise ValueError("streaming needs data.shuffle_block >= 1 (config.py refuses 0)")
@@ -137,17 +138,11 @@ class StreamingLoader:
         self.seq_len = seq_len
         self.block = cfg.shuffle_block
         self.seed = seed
-        self.global_batch = layout.global_batch
-        self.local_batch = layout.local_batch
-        self.micro_batch = layout.micro_batch
-        self.dp_rank, self.dp_size = dp_rank, layout.dp
-        self.reader, self.readers = readers or (dp_rank, layout.dp)
+        self.reader, self.readers = reader, readers
         self.all_gather = all_gather
-        self.eos = eos
+        self.setting = setting
         self.round_docs = ROUND_DOCS  # the stream does not depend on it (tests make it small)
-        self.samples_consumed = 0
-        self.data_wait_s = 0.0  # the last step's longest wait for a reader, over the readers
-        self.data_wait_total_s = 0.0
+        self.wait_s = 0.0  # the last take's longest wait for a reader, over the readers
         self._start = _Block(0, 0, 0, 0)  # the block to serve first, and `_served` of it
         self._current: _Block | None = None  # read whole and permuted: being served
         self._served = 0  # windows of _current served
@@ -158,7 +153,7 @@ class StreamingLoader:
         self._docs: collections.deque = collections.deque()  # ids of self.doc on
         self._buffered = 0  # tokens in self._docs
         self._exhausted = False
-        self._step_wait = 0.0  # this rank's seconds waiting for its reader in this step
+        self._step_wait = 0.0  # this rank's seconds waiting for its reader in this take
 
     def _restart(self, doc: int, skip: int) -> None:
         """The reader from window `skip` tokens into document `doc` on."""
@@ -172,7 +167,7 @@ class StreamingLoader:
 
     def _round(self, waits: list[float]) -> None:
         """A group of documents from every rank, appended in order; `waits` becomes every
-        rank's wait for its reader in this step so far. A reading error on any rank is raised
+        rank's wait for its reader in this take so far. A reading error on any rank is raised
         on all."""
         t0 = time.perf_counter()
         item = self._reader.queue.get()
@@ -192,7 +187,7 @@ class StreamingLoader:
     def _available(self) -> int:
         return self._buffered - self.skip
 
-    def _take(self, count: int, waits: list[float]) -> list[np.ndarray]:
+    def _windows(self, count: int, waits: list[float]) -> list[np.ndarray]:
         """The reader's next `count` windows (each its own copy, so a served one is freed),
         fewer at the corpus's end."""
         L = self.seq_len
@@ -213,7 +208,7 @@ class StreamingLoader:
         """Read `blk` (the block at the reader's head) up to `want` windows, or its end."""
         missing = want - len(blk.windows)
         if missing > 0 and not blk.last:
-            got = self._take(missing, waits)
+            got = self._windows(missing, waits)
             blk.windows += got
             blk.last = len(got) < missing
 
@@ -232,7 +227,7 @@ class StreamingLoader:
         if not blk.windows:
             if blk.index == 0:
                 raise ConfigError(
-                    f"data.path={self.cfg.path!r} holds fewer than train.seq_len+1="
+                    f"{self.setting}={self.cfg.path!r} holds fewer than train.seq_len+1="
                     f"{self.seq_len + 1} tokens; use more text or a smaller train.seq_len"
                 )
             return self._ready(self._following(blk), waits)
@@ -240,32 +235,98 @@ class StreamingLoader:
         blk.windows = [blk.windows[i] for i in perm]
         return blk
 
-    def next_batch(self) -> list[Batch]:
-        """This rank's micro batches for the next step; advances state."""
+    def take(self, count: int) -> list[np.ndarray]:
+        """The source's next `count` windows (seq_len + 1 ids each), across blocks and epochs;
+        then the next block is read ahead in proportion to the current one served."""
         self._step_wait = 0.0
         waits = [0.0]
-        if self._current is None:  # the first step, or the first after a resume
+        if self._current is None:  # the first take, or the first after a resume
             s = self._start
             self._restart(s.doc, s.skip)
             self._current = self._ready(_Block(s.epoch, s.index, s.doc, s.skip), waits)
             self._next = self._following(self._current)
         rows: list[np.ndarray] = []
-        while len(rows) < self.global_batch:
+        while len(rows) < count:
             cur = self._current
             if self._served == len(cur.windows):
                 cur = self._current = self._ready(self._next, waits)
                 self._next = self._following(cur)
                 self._served = 0
-            n = min(self.global_batch - len(rows), len(cur.windows) - self._served)
+            n = min(count - len(rows), len(cur.windows) - self._served)
             rows += cur.windows[self._served : self._served + n]
             cur.windows[self._served : self._served + n] = [None] * n  # served: freed
             self._served += n
         # Read the next block ahead in proportion to this one served: one block held in all.
         ahead = math.ceil(self._served * self.block / len(self._current.windows))
         self._fill(self._next, ahead, waits)
+        # The last round carried every reader's wait in this take: the take's longest.
+        self.wait_s = max(waits)
+        return rows
+
+    def position(self) -> dict:
+        """The block being served (where it starts in the corpus) and the windows of it
+        served; a block served to its end is saved as the next, none of it served."""
+        blk, served = self._start, self._served
+        if self._current is not None:
+            blk = self._current
+            if served == len(blk.windows):
+                blk, served = self._next, 0
+        return {"epoch": blk.epoch, "block": blk.index, "served": served, "document": blk.doc,
+                "skip": blk.skip}  # fmt: skip
+
+    def seek(self, position: dict) -> None:
+        """Continue at a saved position: the next take reads the block again from its first
+        document and serves it from the saved window on."""
+        s = position
+        self._start = _Block(int(s["epoch"]), int(s["block"]), int(s["document"]), int(s["skip"]))
+        self._served = int(s["served"])
+        self._current = self._next = None
+        self.close()
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+
+
+class StreamingLoader:
+    """GlobalBatchLoader's interface (next_batch, state_dict, load_state_dict) over the stream.
+    This rank is reader `readers[0]` of `readers[1]` (default: its dp rank of dp), and
+    `all_gather(obj)` returns every reader's obj in reader order (one collective over them)."""
+
+    def __init__(
+        self, cfg: DataConfig, tok: Tokenizer, layout: RunLayout, seq_len: int, dp_rank: int,
+        all_gather: Callable[[object], list], eos: int | None = None, seed: int = 0,
+        readers: tuple[int, int] | None = None,
+    ):  # fmt: skip
+        self.cfg = cfg
+        self.seq_len = seq_len
+        self.seed = seed
+        self.global_batch = layout.global_batch
+        self.local_batch = layout.local_batch
+        self.micro_batch = layout.micro_batch
+        self.dp_rank, self.dp_size = dp_rank, layout.dp
+        self.reader, self.readers = readers or (dp_rank, layout.dp)
+        self.stream = WindowStream(cfg, tok, seq_len, seed, all_gather, self.reader, self.readers)
+        self.block = self.stream.block
+        self.eos = eos
+        self.samples_consumed = 0
+        self.data_wait_s = 0.0  # the last step's longest wait for a reader, over the readers
+        self.data_wait_total_s = 0.0
+
+    @property
+    def round_docs(self) -> int:
+        return self.stream.round_docs
+
+    @round_docs.setter
+    def round_docs(self, value: int) -> None:
+        self.stream.round_docs = value
+
+    def next_batch(self) -> list[Batch]:
+        """This rank's micro batches for the next step; advances state."""
+        rows = self.stream.take(self.global_batch)
         self.samples_consumed += self.global_batch
-        # The last round carried every reader's wait in this step: the step's longest.
-        self.data_wait_s = max(waits)
+        self.data_wait_s = self.stream.wait_s
         self.data_wait_total_s += self.data_wait_s
         lo = self.dp_rank * self.local_batch
         mine = torch.from_numpy(np.stack(rows[lo : lo + self.local_batch]).astype(np.int64))
@@ -274,20 +335,13 @@ class StreamingLoader:
         return [batch.rows(i, i + mb) for i in range(0, self.local_batch, mb)]
 
     def state_dict(self) -> dict:
-        """The position: the block being served (where it starts in the corpus) and the windows
-        of it served; a block served to its end is saved as the next, none of it served."""
-        blk, served = self._start, self._served
-        if self._current is not None:
-            blk = self._current
-            if served == len(blk.windows):
-                blk, served = self._next, 0
+        """The position: the global samples, and the stream's (WindowStream.position)."""
         return {
             "samples_consumed": self.samples_consumed,
             "seed": self.seed,
             "shuffle_block": self.block,
-            "stream": {"epoch": blk.epoch, "block": blk.index, "served": served,
-                       "document": blk.doc, "skip": blk.skip},
-        }  # fmt: skip
+            "stream": self.stream.position(),
+        }
 
     # Keys a checkpoint from before blocks lacks (its stream was served unshuffled): loaded
     # without them, they are missing from the state load_state_dict refuses in one line.
@@ -305,15 +359,8 @@ class StreamingLoader:
             )
         check_data_seed(self.seed, state)
         check_shuffle_block(self.block, state, None)
-        s = state["stream"]
         self.samples_consumed = int(state["samples_consumed"])
-        self._start = _Block(int(s["epoch"]), int(s["block"]), int(s["document"]), int(s["skip"]))
-        self._served = int(s["served"])
-        self._current = self._next = None
-        if self._reader is not None:
-            self._reader.close()
-            self._reader = None
+        self.stream.seek(state["stream"])
 
     def close(self) -> None:
-        if self._reader is not None:
-            self._reader.close()
+        self.stream.close()
