@@ -17,6 +17,10 @@ windows and keeps its dp rank's rows, so the stream depends on neither the dp si
 mesh, and the position saved (the block being served, where it starts in the corpus: document
 and tokens of it behind, and how many of its windows are served) lets a resume on any mesh
 read that block again and continue with exactly the windows a straight run takes.
+
+WindowStream is one source's windows in that order (take the next n, its position, seek to a
+saved one); StreamingLoader serves data.path's as global batches, and a streamed mixture
+(mixture.py) drives one per text source.
 """
 
 from __future__ import annotations
