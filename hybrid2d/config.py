@@ -263,9 +263,10 @@ class DataConfig:
     # name=path:weight,... (web=/data/web-tok:0.7,code=/data/code-tok:0.3); each path is what
     # data.path takes for text. "" (default): data.path alone. Set, data.path stays "".
     mixture: str = ""
-    # Text data.path tokenized on the fly instead of cached first: every rank's background
-    # thread tokenizes its share of the documents; the windows are served in the order of
-    # data.shuffle_block, as the cached paths serve them (data.shuffle_block 0 is refused).
+    # Text data.path (or data.mixture's text sources) tokenized on the fly instead of cached
+    # first: every rank's background thread tokenizes its share of the documents; the windows
+    # are served in the order of data.shuffle_block, as the cached paths serve them
+    # (data.shuffle_block 0 is refused).
     streaming: bool = False
     # Text windows of an epoch are shuffled within consecutive blocks of this many windows (the
     # last holds the rest), the same order inline, preprocessed and streamed; streaming holds

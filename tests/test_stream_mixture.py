@@ -19,6 +19,8 @@ from hybrid2d.data import build_run_data
 from hybrid2d.data.stream import WindowStream
 from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
+from tests.reference import tiny_config
+from tests.test_checkpoint import one_rank  # noqa: F401 (a fixture)
 from tests.test_shards import VOCAB, make_tokenizer, one_line, stdlib_texts, tool, write_jsonl
 from tests.test_stream import Group, run_steps
 
@@ -139,6 +141,48 @@ def test_a_streamed_mixture_resumes_on_another_dp_size_and_inline(corpus):
     one_line(e, "data.mixture[web] is streamed", "--data.streaming false")
     for d in three:
         d.close()
+
+
+def test_through_the_checkpointer_a_streamed_state_resumes_streamed_and_inline(
+    corpus,
+    tmp_path,
+    one_rank,  # noqa: F811
+):
+    """Saved and loaded by the Checkpointer (DCP): a streamed mixture's state continues the
+    straight run streamed and inline; an inline mixture's state, which lacks the streams'
+    places, is the stream's one line, not the Checkpointer's "does not fit"."""
+    from hybrid2d.checkpoint import layout
+    from hybrid2d.checkpoint.dcp import Checkpointer
+    from tests.test_checkpoint import Progress
+
+    def save(loader, where):
+        ck = Checkpointer(tiny_config(steps=10), where, {"trainer": Progress(3, 0.0),
+                                                         "trainer.data": loader})  # fmt: skip
+        ck.save(3)
+        ck.close()
+        return layout.latest_in_run(where)
+
+    def load(loader, path):
+        states = {"trainer": Progress(0, 0.0), "trainer.data": loader}
+        return Checkpointer(tiny_config(steps=10), tmp_path / "load", states).load(path)
+
+    ref = inline(corpus)
+    want = run_steps([ref.loader], 6)
+    first = streamed(job(corpus, True), 1)[0]
+    run_steps([first.loader], 3)
+    path = save(first.loader, tmp_path / "streamed")
+    for data in (streamed(job(corpus, True), 1)[0], inline(corpus)):
+        assert load(data.loader, path) == 3
+        assert_same(run_steps([data.loader], 3), want[3:])
+        data.close()
+    cached = inline(corpus)
+    run_steps([cached.loader], 3)
+    path = save(cached.loader, tmp_path / "inline")
+    later = streamed(job(corpus, True), 1)[0]
+    with pytest.raises(ConfigError) as e:
+        load(later.loader, path)
+    one_line(e, "data.mixture[web] is streamed", "resume with --data.streaming false")
+    first.close()
 
 
 def test_bad_streamed_mixtures_are_one_line(corpus, tmp_path):

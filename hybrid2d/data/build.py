@@ -177,7 +177,7 @@ class RunData:
             if self.loader.streams:
                 first = next(iter(self.loader.streams.values()))
                 parts.append(
-                    f"streamed sources: a reader thread each on each of {first.readers}"
+                    f"streamed sources: a reader thread per source on each of {first.readers}"
                     f" ranks; windows shuffled in blocks of {first.block:,}, as inline"
                 )
         else:
