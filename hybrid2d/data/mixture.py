@@ -136,7 +136,7 @@ class MixtureLoader:
         self.seq_len = datasets[0].seq_len
         # Each source's order: its own epochs permuted in blocks, seeded apart from the others'.
         self.shuffle_block = block = shuffle_block
-        self.readers = [
+        self._reads = [  # how each source is read: by index, or on (a stream)
             _StreamedSource(ds, eos) if isinstance(ds, WindowStream)
             else _IndexedSource(ds, layout, source_seed(seed, i), block)
             for i, ds in enumerate(datasets)
@@ -180,7 +180,7 @@ class MixtureLoader:
         src = self.choices(consumed, self.global_batch)
         parts, order = [], np.empty(count, dtype=np.int64)
         done = 0
-        for s, reader in enumerate(self.readers):
+        for s, reader in enumerate(self._reads):
             mine = np.flatnonzero(src == s)  # the step's rows from source s, in order
             before = int(np.searchsorted(mine, lo))  # of them, rows before this rank's
             rows = mine[(mine >= lo) & (mine < lo + count)]
@@ -264,7 +264,7 @@ class MixtureLoader:
                 )
         self.samples_consumed = int(state["samples_consumed"])
         self.taken = np.array([int(state["mixture"][n]) for n in self.names], dtype=np.int64)
-        for i, (reader, name) in enumerate(zip(self.readers, self.names, strict=True)):
+        for i, (reader, name) in enumerate(zip(self._reads, self.names, strict=True)):
             if name in self.streams:
                 self.streams[name].seek(state["streams"][name])
                 reader.next = int(self.taken[i])
