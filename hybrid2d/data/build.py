@@ -387,6 +387,36 @@ def _val_config(data):
     return d
 
 
+def _text_val_config(cfg: JobConfig, d, training: str):
+    """data.val_path as a DataConfig beside text training data (`training` names the setting
+    that gave it), or None: held-out instruction data is one line, since validation is measured
+    on the training data's kind."""
+    val_cfg = _val_config(d)
+    if val_cfg is not None and _kind(cfg, val_cfg, "data.val_path") != "text":
+        raise ConfigError(
+            f"data.val_path={d.val_path!r} is {_KIND_NAME['instruct']}, but {training} is text: "
+            "validation is measured on the training data's kind; give held-out text"
+        )
+    return val_cfg
+
+
+def _held_out_text(
+    cfg: JobConfig, val_cfg, tok, tok_dir, cache_dir, stats: dict, is_main=False, barrier=None
+):  # fmt: skip
+    """The EvalSet of text data.val_path, its sample count in stats; None without one. With a
+    barrier the main process tokenizes it first (paths that tokenized nothing else before
+    theirs); without, it was tokenized already."""
+    if val_cfg is None:
+        return None
+    if barrier is not None:
+        if is_main:
+            _dataset(cfg, val_cfg, tok, tok_dir, cache_dir, "data.val_path", build=True)
+        barrier()
+    val_ds, _ = _dataset(cfg, val_cfg, tok, tok_dir, cache_dir, "data.val_path", build=False)
+    stats["val_samples"] = len(val_ds)
+    return EvalSet(val_ds, repr(val_cfg.path))
+
+
 def build_run_data(
     cfg: JobConfig, layout: RunLayout, dp_rank: int, is_main: bool, barrier: Callable[[], None],
     all_gather: Callable[[object], list] | None = None, readers: tuple[int, int] | None = None,
@@ -535,12 +565,7 @@ def _mixture_run_data(
     vocab_size, cache_dir = layout.model.vocab_size, cache_dir_for(cfg)
     tok_dir = d.tokenizer  # required by check_mixture
     sources = check_mixture(cfg, d)
-    val_cfg = _val_config(d)
-    if val_cfg is not None and _kind(cfg, val_cfg, "data.val_path") != "text":
-        raise ConfigError(
-            f"data.val_path={d.val_path!r} is {_KIND_NAME['instruct']}, but data.mixture is "
-            "text; give held-out text"
-        )
+    val_cfg = _text_val_config(cfg, d, "data.mixture")
     load_or_train_tokenizer(d, vocab_size, cache_dir, build=False)
     if is_main:  # inline sources are tokenized once, by this process
         tok = load_or_train_tokenizer(d, vocab_size, cache_dir)
@@ -557,11 +582,8 @@ def _mixture_run_data(
     loader = MixtureLoader(
         [s for s, _ in sources], datasets, layout, dp_rank, cfg.train.seed, d.shuffle_block
     )
-    val, stats = None, {"document_mask": d.document_mask}
-    if val_cfg is not None:
-        val_ds, _ = _dataset(cfg, val_cfg, tok, tok_dir, cache_dir, "data.val_path", build=False)
-        val = EvalSet(val_ds, repr(d.val_path))
-        stats["val_samples"] = len(val_ds)
+    stats = {"document_mask": d.document_mask}
+    val = _held_out_text(cfg, val_cfg, tok, tok_dir, cache_dir, stats)
     return RunData(loader, tok, val, "text", stats, tokenizer_dir=tok_dir)
 
 
@@ -576,24 +598,12 @@ def _streamed_mixture_run_data(
     sources = check_mixture(cfg, d)  # data.tokenizer is set, every source text
     if readers[1] > 1 and all_gather is None:
         raise ValueError("streaming over several readers needs all_gather over them")
-    val_cfg = _val_config(d)
-    if val_cfg is not None and _kind(cfg, val_cfg, "data.val_path") != "text":
-        raise ConfigError(
-            f"data.val_path={d.val_path!r} is {_KIND_NAME['instruct']}, but data.mixture is "
-            "text; give held-out text"
-        )
+    val_cfg = _text_val_config(cfg, d, "data.mixture")
     gather = all_gather or (lambda obj: [obj])
     cache_dir, tok_dir = cache_dir_for(cfg), d.tokenizer
     tok = load_or_train_tokenizer(d, layout.model.vocab_size, cache_dir, build=False)
     stats = {"document_mask": d.document_mask, "streaming": True}
-    val = None
-    if val_cfg is not None:
-        if is_main:
-            _dataset(cfg, val_cfg, tok, tok_dir, cache_dir, "data.val_path", build=True)
-        barrier()
-        val_ds, _ = _dataset(cfg, val_cfg, tok, tok_dir, cache_dir, "data.val_path", False)
-        val = EvalSet(val_ds, repr(d.val_path))
-        stats["val_samples"] = len(val_ds)
+    val = _held_out_text(cfg, val_cfg, tok, tok_dir, cache_dir, stats, is_main, barrier)
     datasets = []
     for i, (src, sd) in enumerate(sources):
         setting = f"data.mixture[{src.name}]"
@@ -633,25 +643,13 @@ def _streaming_run_data(
         raise ConfigError(f"data.streaming=true: {why}; or leave data.streaming at false")
     if readers[1] > 1 and all_gather is None:
         raise ValueError("streaming over several readers needs all_gather over them")
-    val_cfg = _val_config(d)
-    if val_cfg is not None and _kind(cfg, val_cfg, "data.val_path") != "text":
-        raise ConfigError(
-            f"data.val_path={d.val_path!r} is {_KIND_NAME['instruct']}, but data.path={d.path!r}"
-            " is text: validation is measured on the training data's kind; give held-out text"
-        )
+    val_cfg = _text_val_config(cfg, d, f"data.path={d.path!r}")
     gather = all_gather or (lambda obj: [obj])
     cache_dir = cache_dir_for(cfg)
     tok = load_or_train_tokenizer(d, layout.model.vocab_size, cache_dir, build=False)
     source_files(d, "data.path")  # a missing path is one line now, not in the reader thread
     stats = {"document_mask": d.document_mask, "streaming": True}
-    val = None
-    if val_cfg is not None:
-        if is_main:
-            _dataset(cfg, val_cfg, tok, d.tokenizer, cache_dir, "data.val_path", build=True)
-        barrier()
-        val_ds, _ = _dataset(cfg, val_cfg, tok, d.tokenizer, cache_dir, "data.val_path", False)
-        val = EvalSet(val_ds, repr(d.val_path))
-        stats["val_samples"] = len(val_ds)
+    val = _held_out_text(cfg, val_cfg, tok, d.tokenizer, cache_dir, stats, is_main, barrier)
     eos = eos_id(tok) if d.document_mask == "on" else None
     loader = StreamingLoader(
         d, tok, layout, cfg.train.seq_len, dp_rank, gather, eos, cfg.train.seed, readers
