@@ -142,9 +142,10 @@ def test_kv_head_layers_take_adapters_and_other_placements_are_one_line():
     model.init_weights(0)
     attn = model.model.layers[0].self_attn
     full = {p: getattr(attn, p).weight.detach().clone() for p in ("k_proj", "v_proj")}
-    lora_a = torch.randn(lcfg.rank, cfg.dim)
-    lora_b = torch.randn(cfg.n_kv_heads * cfg.head_dim, lcfg.rank)
-    x = torch.randn(2, 5, cfg.dim)
+    gen = torch.Generator().manual_seed(0)
+    lora_a = torch.randn(lcfg.rank, cfg.dim, generator=gen)
+    lora_b = torch.randn(cfg.n_kv_heads * cfg.head_dim, lcfg.rank, generator=gen)
+    x = torch.randn(2, 5, cfg.dim, generator=gen)
     rows = slice(cfg.head_dim, 2 * cfg.head_dim)  # kv head 1
     with fake_tp_mesh(3, 4) as mesh:
         apply_tp(model, mesh)
@@ -158,7 +159,10 @@ def test_kv_head_layers_take_adapters_and_other_placements_are_one_line():
                 with torch.no_grad():
                     copy_full_into(adapter.weight, value)
             want = F.linear(x, full[name][rows]) + F.linear(x, lora_b[rows] @ lora_a) * 7.0 / 3
-            torch.testing.assert_close(proj(x), want, rtol=1e-5, atol=1e-6)
+            # fp32 sums in another order: off by up to 3e-7 of the largest output (300 random
+            # draws), which fixed atol 1e-6 missed on 1 draw in 6 (outputs reach 150)
+            scale = want.abs().max().item()
+            torch.testing.assert_close(proj(x), want, rtol=1e-5, atol=1e-5 * scale)
 
         plain = Llama(cfg)  # q_proj replicated: no style of ours places a weight so
         q = plain.model.layers[0].self_attn.q_proj
