@@ -18,7 +18,6 @@ from hybrid2d.checkpoint.adapters import (  # noqa: E402
     load_peft,
     read_peft,
 )
-from hybrid2d.checkpoint.hf import model_config_from_hf  # noqa: E402
 from hybrid2d.checkpoint.reader import read_metadata  # noqa: E402
 from hybrid2d.config import JobConfig, LoraConfig, ModelConfig  # noqa: E402
 from hybrid2d.errors import ConfigError  # noqa: E402
@@ -41,11 +40,12 @@ from tests.lora_reference import (  # noqa: E402
     ours,
     peft_adapters,
     peft_twin,
+    randomize_b,
     tp4_model,
     train_peft,
 )
 from tests.reference import global_batches  # noqa: E402
-from tests.test_families import TOKENS, make_hf  # noqa: E402
+from tests.test_families import TOKENS, make_hf, ours_from_hf  # noqa: E402
 from tests.test_plan import fake_tp_mesh  # noqa: E402
 
 
@@ -67,11 +67,7 @@ def test_single_process_equals_peft(targets):
     """Logits, loss, adapter gradients and the adapters after 10 SGD steps equal PEFT's (fp32),
     and the frozen base is bit-identical after training."""
     lcfg = lora_settings(targets=targets)
-    model = ours(odd_model(), lcfg, seed=3)
-    with torch.no_grad():  # B = 0 at first: make it random, or A's gradient is zero
-        for n, p in model.named_parameters():
-            if ".lora_B." in n:
-                p.normal_(0, 0.1)
+    model = randomize_b(ours(odd_model(), lcfg, seed=3))
     twin = peft_twin(model, lcfg)
     base = {n: p.detach().clone() for n, p in model.named_parameters() if not is_adapter(n)}
     job = lora_job(odd_model(), lcfg)
@@ -323,16 +319,11 @@ def test_every_family_equals_peft(family):
     """Adapters on each family's layers (Qwen2's biased q/k/v, Qwen3's and Gemma's q/k norms,
     Gemma's sandwich norms and gelu): logits and adapter gradients equal PEFT's."""
     hf = make_hf(family)
-    model = Llama(model_config_from_hf(hf.config.to_dict()))
-    model.load_state_dict(hf.state_dict(), strict=False)  # a tied head is absent
-    model.tie_weights()
+    model = ours_from_hf(hf)
     lcfg = lora_settings(rank=3)
     apply_lora(model, lcfg)
     init_adapters(model, 0)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if ".lora_B." in n:
-                p.normal_(0, 0.1)
+    randomize_b(model)
     twin = peft_twin(model, lcfg)
     tokens, labels = TOKENS[:, :-1], TOKENS[:, 1:]
     ours_loss = mean_loss(model(tokens), labels)
@@ -347,11 +338,7 @@ def test_every_family_equals_peft(family):
 
 def test_dropout_only_while_training_and_the_start_line():
     lcfg = LoraConfig(rank=4, alpha=8.0, dropout=0.5, targets="v_proj,down_proj")
-    model = ours(odd_model(), lcfg, seed=2)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if ".lora_B." in n:
-                p.normal_(0, 0.5)
+    model = randomize_b(ours(odd_model(), lcfg, seed=2), std=0.5)
     plain = ours(odd_model(), LoraConfig(rank=4, alpha=8.0, targets="v_proj,down_proj"), seed=2)
     plain.load_state_dict(model.state_dict())
     tokens = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(0))
