@@ -572,21 +572,34 @@ def test_trainer_profile_memory_and_traces_write_json_tensorboard_and_reports(tm
     assert abs(plan["peak_error"]) < 0.01, plan
 
 
-COMPILED_BLOCKS = [
-    pytest.param(tp, ac, dtype, id=f"tp{tp}-{ac}-{dtype}")
-    for tp, ac, dtype in [
-        (1, "none", "fp32"),
-        (2, "none", "bf16"),
-        (1, "full", "fp32"),
-        (1, "selective", "bf16"),
-        (2, "selective", "bf16"),
-    ]
+COMPILED_SPECS = [
+    (1, "none", "fp32"),
+    (2, "none", "bf16"),
+    (1, "full", "fp32"),
+    (1, "selective", "bf16"),
+    (2, "selective", "bf16"),
 ]
+COMPILED_BLOCKS = [pytest.param(*s, id="tp{}-{}-{}".format(*s)) for s in COMPILED_SPECS]
+
+
+_compiled_saved: dict = {}
+
+
+def compiled_saved(tmp_path_factory, tp: int) -> dict[str, float]:
+    """The bytes per token a compiled block keeps on `tp` ranks, by "AC:DTYPE", for every
+    spec of COMPILED_SPECS on that tp: one launch per tp (tests/workers/compiled_saved.py)."""
+    if tp not in _compiled_saved:
+        out = tmp_path_factory.mktemp(f"compiled-saved-tp{tp}") / "saved.json"
+        specs = [f"{ac}:{dtype}" for t, ac, dtype in COMPILED_SPECS if t == tp]
+        worker = ["tests/workers/compiled_saved.py", str(out), *specs]
+        check_ok(run_ranks(tp, worker, timeout=600))
+        _compiled_saved[tp] = json.loads(out.read_text())
+    return _compiled_saved[tp]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,ac,dtype", COMPILED_BLOCKS)
-def test_compiled_block_keeps_what_the_estimate_counts(tmp_path, tp, ac, dtype):
+def test_compiled_block_keeps_what_the_estimate_counts(tmp_path_factory, tp, ac, dtype):
     """With parallel.compile the estimate's per-block activations are what autograd keeps for
     a compiled block's backward, counted by saved-tensor hooks on a real compiled block
     (tests/workers/compiled_saved.py). The estimate's figure is the difference one more block
@@ -594,10 +607,8 @@ def test_compiled_block_keeps_what_the_estimate_counts(tmp_path, tp, ac, dtype):
     installed AOTAutograd fails to save the block's DeviceMesh; the trainer, which installs
     none, runs it, see test_paths_parity.) Each (tp, ac) runs once, with fp32 on some and bf16 on
     others, so both the dtype-sized terms and the fp32 ones (the norms' rstd) are measured: every
-    cold compile costs 13-30 s of this 2-core host."""
-    out = tmp_path / "saved.json"
-    check_ok(run_ranks(tp, ["tests/workers/compiled_saved.py", str(out), ac, dtype], timeout=300))
-    measured = json.loads(out.read_text())["bytes_per_token"]
+    cold compile costs 13-30 s of this 2-core host. One launch per tp measures all its specs."""
+    measured = compiled_saved(tmp_path_factory, tp)[f"{ac}:{dtype}"]
 
     def loss_activations(n_layers: int) -> int:
         cfg = recipes.get("llama-debug")
