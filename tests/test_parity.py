@@ -1,6 +1,5 @@
 """2-D (dp x tp) training equals single-process PyTorch step for step (fp32, CPU, gloo)."""
 
-import dataclasses
 import json
 
 import pytest
@@ -45,44 +44,22 @@ def assert_matches(got, ref, rtol=1e-5, where=""):
     )
 
 
-OPTIMIZERS = {"sgd": 0.5, "adamw": 1.0}  # optimizer -> grad_clip of tiny_config's runs
-_optimizer_runs: dict = {}
-
-
-def optimizer_runs(tmp_path_factory, dp: int, tp: int) -> dict:
-    """optimizer -> its tiny_config run on (dp, tp): both optimizers in one launch per mesh
-    (the worker's several-runs form; each run's settings are tiny_config's for it)."""
-    if (dp, tp) not in _optimizer_runs:
-        runs = []
-        for optimizer, clip in OPTIMIZERS.items():
-            cfg = tiny_config(optimizer, clip)
-            settings = ["--train.optimizer", optimizer, "--train.lr", repr(cfg.train.lr),
-                        "--train.grad_clip", repr(clip)]  # fmt: skip
-            runs.append({"name": optimizer, "model": dataclasses.asdict(cfg.model),
-                         "settings": settings})  # fmt: skip
-        out = tmp_path_factory.mktemp(f"optimizers-{dp}x{tp}") / "runs.pt"
-        args = ["tests/workers/parity.py", "families", str(out), str(dp), str(tp), json.dumps(runs)]
-        check_ok(run_ranks(dp * tp, args))
-        _optimizer_runs[dp, tp] = torch.load(out)
-    return _optimizer_runs[dp, tp]
-
-
 @pytest.mark.parametrize("dp,tp", MESHES, ids=[f"dp{d}xtp{t}" for d, t in MESHES])
-def test_sgd_with_clipping_matches_single_process(tmp_path_factory, dp, tp):
+def test_sgd_with_clipping_matches_single_process(tmp_path, dp, tp):
     # SGD: a wrongly scaled gradient shows directly in the parameters. grad_clip 0.5 is below
     # every step's norm, so the global norm and the clipping are exercised too.
     ref = train_single_process(tiny_config("sgd", 0.5))
     assert min(ref["norms"]) > 0.5
-    got = optimizer_runs(tmp_path_factory, dp, tp)["sgd"]
+    got = run_parallel(tmp_path, dp, tp, "sgd", 0.5)
     assert_matches(got, ref)
     for name, p in ref["params"].items():  # SGD is well conditioned: check every tensor too
         assert relative(got["params"][name], p.detach()) <= 1e-5, name
 
 
 @pytest.mark.parametrize("dp,tp", MESHES, ids=[f"dp{d}xtp{t}" for d, t in MESHES])
-def test_adamw_matches_single_process(tmp_path_factory, dp, tp):
+def test_adamw_matches_single_process(tmp_path, dp, tp):
     ref = train_single_process(tiny_config("adamw", 1.0))
-    got = optimizer_runs(tmp_path_factory, dp, tp)["adamw"]
+    got = run_parallel(tmp_path, dp, tp, "adamw", 1.0)
     assert_matches(got, ref)
 
 
