@@ -26,8 +26,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import json
 import multiprocessing
 import os
+import re
 import runpy
 import socket
 import subprocess
@@ -91,6 +93,34 @@ def torchrun(nproc: int, *args: str) -> list[str]:
         str(nproc),
         *args,
     ]
+
+
+def recipe(args: list[str], ranks: int = 1, timeout: float = 300) -> subprocess.CompletedProcess:
+    """recipes/llama.py with `args`, as a user starts it: `python` for one rank, torchrun
+    --standalone for several; its output captured."""
+    script = ["recipes/llama.py", *args]
+    cmd = torchrun(ranks, *script) if ranks > 1 else [sys.executable, *script]
+    return subprocess.run(
+        cmd, cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def recipe_run(run_dir: Path, *args: str, ranks: int = 1, timeout: float = 300) -> tuple[str, dict]:
+    """A recipes/llama.py run into `run_dir` that must succeed: its stdout and summary.json."""
+    proc = recipe([*args, "--metrics.run_dir", str(run_dir)], ranks, timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout, json.loads((Path(run_dir) / "summary.json").read_text())
+
+
+def recipe_error(*args: str, timeout: float = 300) -> str:
+    """The one stderr line of a recipes/llama.py run that must stop on a bad setting: exit 2,
+    before its first step."""
+    proc = recipe(list(args), timeout=timeout)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), proc.stderr
+    assert not re.search(r"^step \d", proc.stdout, re.MULTILINE), proc.stdout[-3000:]
+    return lines[0]
 
 
 def port_taken(*outputs: str | None) -> bool:

@@ -42,6 +42,16 @@ def ours(cfg: ModelConfig, lcfg: LoraConfig, seed: int) -> Llama:
     return model
 
 
+def randomize_b(model: torch.nn.Module, std: float = 0.1) -> torch.nn.Module:
+    """B starts at 0 (PEFT's init), where A's gradient is zero and the adapters change nothing:
+    a random B makes both count. Returns `model`."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, std)
+    return model
+
+
 def peft_twin(model: Llama, lcfg: LoraConfig) -> torch.nn.Module:
     """PEFT's model over transformers' class, with `model`'s base and adapters copied in."""
     hf_cfg = hf_config_from_model(model.cfg)

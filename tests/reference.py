@@ -65,22 +65,9 @@ def reference_optimizer(model, t):
 
 
 def train_single_process(cfg: JobConfig) -> dict:
-    """Plain PyTorch: one model, torch.optim, torch.nn.utils.clip_grad_norm_."""
-    t = cfg.train
-    model = Llama(cfg.model)
-    model.init_weights(t.seed)
-    opt, sched = reference_optimizer(model, t)
-    losses, norms = [], []
-    for inputs, labels in global_batches(cfg):
-        loss = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten())
-        loss.backward()
-        max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "norms": norms, "params": dict(model.named_parameters())}
+    """Plain PyTorch: one model, torch.optim, torch.nn.utils.clip_grad_norm_, on
+    global_batches (no label is -100: every token counts)."""
+    return train_single_process_masked(cfg, global_batches(cfg))
 
 
 # ---- instruction data: labels -100 off the loss, uneven loss tokens per sample ---------------

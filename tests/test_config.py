@@ -629,17 +629,18 @@ def test_torchrun_config_error_prints_its_line_whichever_rank_exits_first():
 def test_training_afresh_beside_another_runs_checkpoints_is_refused(tmp_path):
     """Without --checkpoint.resume, a run dir that holds checkpoints is not trained into again
     from step 0 (its checkpoints/ would mix two runs): one line naming both ways out."""
-    run = tmp_path / "run"
-    first = run_cli("--train.steps", "2", "--metrics.run_dir", str(run), timeout=300)
+    from tests.test_faults import SMALL  # a small model on less text: the runs' size is no part
+
+    run = ["--metrics.run_dir", str(tmp_path / "run"), "--data.cache_dir", str(tmp_path / "c")]
+    first = run_cli(*SMALL, *run, "--train.steps", "2", timeout=300)
     assert first.returncode == 0, first.stderr[-2000:]
-    again = run_cli("--train.steps", "4", "--metrics.run_dir", str(run), timeout=120)
+    again = run_cli(*SMALL, *run, "--train.steps", "4", timeout=120)
     line = error_line(again)
     assert "already holds checkpoints (latest step-0000002)" in line, line
     assert "--checkpoint.resume auto" in line
     resumed = run_cli(
-        "--train.steps", "4", "--metrics.run_dir", str(run), "--checkpoint.resume", "auto",
-        timeout=300,
-    )  # fmt: skip
+        *SMALL, *run, "--train.steps", "4", "--checkpoint.resume", "auto", timeout=300
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
 
 

@@ -68,26 +68,17 @@ def test_flex_block_mask_equals_sdpa_with_the_dense_mask(window, with_documents)
 
 
 def ours_from(hf) -> Llama:
-    from hybrid2d.checkpoint.hf import model_config_from_hf
+    from tests.test_families import ours_from_hf
 
-    model = Llama(model_config_from_hf(hf.config.to_dict()))
-    model.load_state_dict(hf.state_dict(), strict=False)  # a tied head is absent
-    model.tie_weights()
-    return model.to(CUDA).eval()
+    return ours_from_hf(hf).to(CUDA).eval()
 
 
 def make_hf(family: str):
     """tests/test_families.py's tiny model of the family with head_dim 16: FlexAttention's
     kernels take the power-of-two head sizes real models have (Gemma 3: 256, Qwen3: 128)."""
-    from tests.test_families import FAMILIES, SHAPE
+    from tests.test_families import make_hf
 
-    config_cls, model_cls, extra = FAMILIES[family]
-    torch.manual_seed(0)
-    model = model_cls(config_cls(**SHAPE, **(extra | {"head_dim": 16}))).eval()
-    with torch.no_grad():  # norms start at 1 (or 0), biases at 0: make every weight count
-        for p in model.parameters():
-            p.normal_(0.0, 0.3)
-    return model
+    return make_hf(family, head_dim=16)
 
 
 @pytest.mark.parametrize("family", ["gemma3", "qwen3"])
@@ -127,15 +118,12 @@ def test_a_lora_step_equals_peft_on_cuda():
         ours,
         peft_adapters,
         peft_twin,
+        randomize_b,
     )
     from tests.reference import global_batches
 
     lcfg = lora_settings()
-    model = ours(odd_model(), lcfg, seed=3)
-    with torch.no_grad():  # B = 0 at first: make it random, or A's gradient is zero
-        for n, p in model.named_parameters():
-            if ".lora_B." in n:
-                p.normal_(0, 0.1)
+    model = randomize_b(ours(odd_model(), lcfg, seed=3))
     twin = peft_twin(model, lcfg).to(CUDA)
     model = model.to(CUDA)
     job = lora_job(odd_model(), lcfg, steps=1)

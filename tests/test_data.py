@@ -29,6 +29,7 @@ from hybrid2d.data import (
 from hybrid2d.data import tokenizer as tokenizer_mod
 from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
+from tests.checks import one_line
 
 SMALL = 200_000
 VOCAB = 512
@@ -47,14 +48,6 @@ def trained(tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
     cfg = DataConfig(max_chars=SMALL)
     return cfg, cache, load_or_train_tokenizer(cfg, VOCAB, cache)
-
-
-def _one_line_error(excinfo, *needles):
-    msg = str(excinfo.value)
-    assert "\n" not in msg, msg
-    for needle in needles:
-        assert needle in msg, msg
-    return msg
 
 
 # ---- corpus ------------------------------------------------------------------------------------
@@ -115,36 +108,36 @@ def test_bad_corpus_inputs(tmp_path):
     missing = str(tmp_path / "nope")
     with pytest.raises(ConfigError) as e:
         corpus_documents(DataConfig(path=missing))
-    _one_line_error(e, "data.path", missing, ".jsonl")
+    one_line(e, "data.path", missing, ".jsonl")
 
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError) as e:
         corpus_documents(DataConfig(path=str(tmp_path / "empty")))
-    _one_line_error(e, "data.path", "empty", "directory")
+    one_line(e, "data.path", "empty", "directory")
 
     (tmp_path / "data.csv").write_text("a,b\n")
     with pytest.raises(ConfigError) as e:
         corpus_documents(DataConfig(path=str(tmp_path / "data.csv")))
-    _one_line_error(e, "data.path", "data.csv", ".csv", ".parquet")
+    one_line(e, "data.path", "data.csv", ".csv", ".parquet")
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"content": "x"}) + "\n")
     with pytest.raises(ConfigError) as e:
         list(corpus_documents(DataConfig(path=str(bad))))
-    _one_line_error(e, "data.text_field", "'text'", ":2", "content")
+    one_line(e, "data.text_field", "'text'", ":2", "content")
 
     _write_corpus(tmp_path / "pq")
     with pytest.raises(ConfigError) as e:
         list(
             corpus_documents(DataConfig(path=str(tmp_path / "pq" / "c.parquet"), text_field="body"))
         )
-    _one_line_error(e, "data.text_field", "'body'", "columns")
+    one_line(e, "data.text_field", "'body'", "columns")
 
     (tmp_path / "blank").mkdir()
     (tmp_path / "blank" / "x.txt").write_text("")
     with pytest.raises(ConfigError) as e:
         list(corpus_documents(DataConfig(path=str(tmp_path / "blank"))))
-    _one_line_error(e, "data.path", "no non-empty documents")
+    one_line(e, "data.path", "no non-empty documents")
 
 
 # ---- tokenizer ---------------------------------------------------------------------------------
@@ -185,10 +178,10 @@ def test_tokenizer_bigger_than_model_vocab_raises(trained, tmp_path):
     path = next(cache.rglob("tokenizer.json"))
     with pytest.raises(ConfigError) as e:
         load_or_train_tokenizer(DataConfig(tokenizer=str(path)), 300, tmp_path)
-    _one_line_error(e, "data.tokenizer", f"has {VOCAB} tokens but model.vocab_size is 300")
+    one_line(e, "data.tokenizer", f"has {VOCAB} tokens but model.vocab_size is 300")
     with pytest.raises(ConfigError) as e:
         load_or_train_tokenizer(DataConfig(tokenizer=str(tmp_path / "none")), VOCAB, tmp_path)
-    _one_line_error(e, "data.tokenizer", "does not exist")
+    one_line(e, "data.tokenizer", "does not exist")
 
 
 def test_eos_id_missing_raises():
@@ -196,7 +189,7 @@ def test_eos_id_missing_raises():
     tok.add_tokens(["a", "b"])
     with pytest.raises(ConfigError) as e:
         eos_id(tok)
-    _one_line_error(e, "data.tokenizer", "<|endoftext|>")
+    one_line(e, "data.tokenizer", "<|endoftext|>")
     tok.add_special_tokens(["</s>"])
     assert eos_id(tok) == tok.token_to_id("</s>")
 
@@ -256,7 +249,7 @@ def test_packing_shifts_by_one():
         ds[len(ds)]
     with pytest.raises(ConfigError) as e:
         PackedDataset(np.arange(10, dtype=np.uint16), seq_len=10, source="tiny.txt")
-    _one_line_error(e, "data.path", "tiny.txt", "holds 10 tokens", "train.seq_len+1=11")
+    one_line(e, "data.path", "tiny.txt", "holds 10 tokens", "train.seq_len+1=11")
 
 
 # ---- loader ------------------------------------------------------------------------------------
@@ -326,7 +319,7 @@ def test_resume_on_another_dp_size(before, after):
         assert torch.equal(torch.cat([p[1] for p in parts]), expected_lab)
     with pytest.raises(ConfigError) as e:
         loader_of(ds, gb, 0, 1, 0, seed + 1).load_state_dict(state)
-    _one_line_error(e, "train.seed")
+    one_line(e, "train.seed")
 
 
 def test_epochs_wrap_deterministically():
@@ -357,7 +350,7 @@ def test_build_data_main_then_ranks(tmp_path):
     calls = []
     with pytest.raises(ConfigError) as e:  # a non-main rank never builds a missing cache
         build_data(cfg, two, 1, False, lambda: calls.append("barrier"))
-    _one_line_error(e, "data.cache_dir")
+    one_line(e, "data.cache_dir")
     main, tok = build_data(cfg, two, 0, True, lambda: calls.append("barrier"))
     other, tok1 = build_data(cfg, two, 1, False, lambda: calls.append("barrier"))
     assert calls == ["barrier"] * 3

@@ -6,8 +6,6 @@ data.val_fraction run (the training part only, the held-out part under `val`).""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,7 +16,8 @@ from hybrid2d.data import build_run_data, corpus_documents
 from hybrid2d.data.instruct import build_instruction_arrays
 from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
-from tests.launch import REPO, launcher_env
+from tests.checks import one_line
+from tests.launch import recipe_error
 from tests.workers.hf_chat import make_tokenizer
 
 GOOD = {"prompt": "What is 5 + 31? ", "completion": "5 + 31 = 36."}
@@ -30,14 +29,6 @@ def tok_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tok") / "chatml"
     make_tokenizer(str(d))
     return d
-
-
-def one_line(excinfo, *needles) -> str:
-    msg = str(excinfo.value)
-    assert "\n" not in msg, msg
-    for needle in needles:
-        assert needle in msg, msg
-    return msg
 
 
 def bad_utf8_jsonl(path):
@@ -114,16 +105,12 @@ def test_not_utf8_text_val_path_is_named_through_build_run_data(tok_dir, tmp_pat
 
 def test_not_utf8_is_one_error_line_and_exit_2(tok_dir, tmp_path):
     bad = bad_utf8_jsonl(tmp_path / "badutf.jsonl")
-    cmd = [sys.executable, "recipes/llama.py", "--data.tokenizer", str(tok_dir),
-           "--model.vocab_size", "384", "--data.path", str(bad), "--train.seq_len", "32",
-           "--data.cache_dir", str(tmp_path / "cache"), "--metrics.run_dir",
-           str(tmp_path / "run")]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, env=launcher_env(), capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith(f"error: data.path: {bad}:3: is not UTF-8 text"), lines[0]
+    error = recipe_error(
+        "--data.tokenizer", str(tok_dir), "--model.vocab_size", "384", "--data.path", str(bad),
+        "--train.seq_len", "32", "--data.cache_dir", str(tmp_path / "cache"),
+        "--metrics.run_dir", str(tmp_path / "run"),
+    )  # fmt: skip
+    assert error.startswith(f"error: data.path: {bad}:3: is not UTF-8 text"), error
 
 
 # ---- empty validation file; text and instruction lines in one file -------------------------------

@@ -90,13 +90,23 @@ FAMILIES = {
 TOKENS = torch.randint(0, VOCAB, (2, 19), generator=torch.Generator().manual_seed(1))
 
 
-def make_hf(family: str):
+def make_hf(family: str, **changes):
+    """The family's tiny transformers model (its config's fields `changes` changed), every
+    weight random."""
     config_cls, model_cls, extra = FAMILIES[family]
     torch.manual_seed(0)
-    model = model_cls(config_cls(**SHAPE, **extra)).eval()
+    model = model_cls(config_cls(**SHAPE, **(extra | changes))).eval()
     with torch.no_grad():  # norms start at 1 (or 0), biases at 0: make every weight count
         for p in model.parameters():
             p.normal_(0.0, 0.3)
+    return model
+
+
+def ours_from_hf(hf) -> Llama:
+    """Our model of a transformers model's config, holding its weights."""
+    model = Llama(model_config_from_hf(hf.config.to_dict()))
+    model.load_state_dict(hf.state_dict(), strict=False)  # a tied head is absent
+    model.tie_weights()
     return model
 
 

@@ -19,7 +19,7 @@ from hybrid2d.data.tokenizer import describe_tokenizer
 from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
 from hybrid2d.models.llama import Llama
-from tests.launch import REPO, check_ok, launcher_env, run_ranks
+from tests.launch import REPO, check_ok, launcher_env, recipe, recipe_error, recipe_run, run_ranks
 
 transformers = pytest.importorskip("transformers")
 from tests.workers.hf_chat import make_chat_model  # noqa: E402
@@ -69,34 +69,16 @@ def test_init_from_without_tokenizer_and_no_data_tokenizer_is_an_error(tmp_path)
     cfg.checkpoint.init_from = f"hf:{hf_dir}"
     with pytest.raises(ConfigError, match="checkpoint.init_from=.*data.tokenizer"):
         source_model(cfg, set())
-    proc = train_cli(tmp_path, "--checkpoint.init_from", f"hf:{hf_dir}")
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    errors = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert len(errors) == 1 and errors[0].startswith("error:"), proc.stderr
-    assert "checkpoint.init_from" in errors[0] and "data.tokenizer" in errors[0]
+    error = recipe_error(*cli_args(tmp_path), "--checkpoint.init_from", f"hf:{hf_dir}")
+    assert "checkpoint.init_from" in error and "data.tokenizer" in error
     assert not (tmp_path / "run").exists()
 
 
-def train_cli(tmp_path, *args, timeout=300):
-    cmd = [
-        sys.executable,
-        "recipes/llama.py",
-        "--train.seq_len",
-        "32",
-        "--train.global_batch",
-        "4",
-        "--data.max_chars",
-        "100000",
-        "--data.cache_dir",
-        str(tmp_path / "cache"),
-        "--metrics.progress_bar",
-        "false",
-        "--metrics.run_dir",
-        str(tmp_path / "run"),
-        *args,
-    ]
-    env = launcher_env()
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+def cli_args(tmp_path) -> list[str]:
+    """A short run's settings, writing to tmp_path / "run"."""
+    return ["--train.seq_len", "32", "--train.global_batch", "4", "--data.max_chars", "100000",
+            "--data.cache_dir", str(tmp_path / "cache"), "--metrics.progress_bar", "false",
+            "--metrics.run_dir", str(tmp_path / "run")]  # fmt: skip
 
 
 @pytest.mark.slow
@@ -133,15 +115,12 @@ def test_a_resume_does_not_read_init_from_again_and_continues_exactly(chat_dirs,
     hf_dir, _, text = chat_dirs
 
     def run(run_dir, *more):
-        cmd = [sys.executable, "recipes/llama.py", "--checkpoint.init_from", f"hf:{hf_dir}",
-               "--data.path", str(text), "--train.seq_len", "32", "--train.global_batch", "2",
-               "--train.steps", "4", "--data.cache_dir", str(tmp_path / "cache"),
-               "--metrics.run_dir", str(run_dir), "--metrics.progress_bar", "false",
-               *more]  # fmt: skip
-        proc = subprocess.run(cmd, cwd=REPO, env=launcher_env(), capture_output=True, text=True,
-                              timeout=300)  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return proc.stdout, json.loads((run_dir / "summary.json").read_text())
+        return recipe_run(
+            run_dir, "--checkpoint.init_from", f"hf:{hf_dir}", "--data.path", str(text),
+            "--train.seq_len", "32", "--train.global_batch", "2", "--train.steps", "4",
+            "--data.cache_dir", str(tmp_path / "cache"), "--metrics.progress_bar", "false",
+            *more,
+        )  # fmt: skip
 
     _, straight = run(tmp_path / "straight")
     first_out, _ = run(tmp_path / "split", "--checkpoint.stop_after", "2")
@@ -228,12 +207,12 @@ def test_instruction_run_with_validation_reports_everywhere(chat_dirs, tmp_path)
     hf_dir, dcp_dir, _ = chat_dirs
     write_instruction_data(str(tmp_path / "train.jsonl"), 24, seed=0)
     write_instruction_data(str(tmp_path / "val.jsonl"), 5, seed=1)
-    proc = train_cli(
-        tmp_path, "--checkpoint.init_from", f"dcp:{dcp_dir}", "--data.path",
+    proc = recipe([
+        *cli_args(tmp_path), "--checkpoint.init_from", f"dcp:{dcp_dir}", "--data.path",
         str(tmp_path / "train.jsonl"), "--data.val_path", str(tmp_path / "val.jsonl"),
         "--train.eval_every", "2", "--train.steps", "4", "--train.seq_len", "64",
         "--metrics.progress_bar", "true",
-    )  # fmt: skip
+    ])  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "stored with checkpoint.init_from" in proc.stdout
     # stderr is no terminal here: progress is a line per step, validation on steps 2 and 4.
@@ -289,7 +268,6 @@ def test_a_packed_run_resumes_on_another_dp_size_where_it_stopped(chat_dirs, tmp
     resumed on 1 rank continues with the samples a straight run on 2 ranks trains on (the data
     position is a count of samples): the same losses (to 1e-5: another dp size sums in another
     order), and the summaries count the packed rows."""
-    from tests.launch import torchrun
     from tests.workers.hf_chat import write_instruction_data
 
     hf_dir, _, _ = chat_dirs
@@ -297,16 +275,12 @@ def test_a_packed_run_resumes_on_another_dp_size_where_it_stopped(chat_dirs, tmp
     write_instruction_data(str(data), 40, seed=2)
 
     def run(ranks, run_dir, *more):
-        recipe = ["recipes/llama.py", "--checkpoint.init_from", f"hf:{hf_dir}",
-                  "--data.path", str(data), "--train.seq_len", "128", "--train.global_batch",
-                  "4", "--train.steps", "4", "--data.cache_dir", str(tmp_path / "cache"),
-                  "--metrics.run_dir", str(run_dir), "--metrics.progress_bar", "false",
-                  *more]  # fmt: skip
-        cmd = torchrun(ranks, *recipe) if ranks > 1 else [sys.executable, *recipe]
-        proc = subprocess.run(cmd, cwd=REPO, env=launcher_env(), capture_output=True, text=True,
-                              timeout=300)  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return json.loads((run_dir / "summary.json").read_text())
+        return recipe_run(
+            run_dir, "--checkpoint.init_from", f"hf:{hf_dir}", "--data.path", str(data),
+            "--train.seq_len", "128", "--train.global_batch", "4", "--train.steps", "4",
+            "--data.cache_dir", str(tmp_path / "cache"), "--metrics.progress_bar", "false",
+            *more, ranks=ranks,
+        )[1]  # fmt: skip
 
     straight = run(2, tmp_path / "straight")
     first = run(2, tmp_path / "split", "--checkpoint.stop_after", "2")

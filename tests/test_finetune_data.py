@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -20,7 +18,7 @@ from hybrid2d.data.chat import load_chat_template
 from hybrid2d.data.instruct import build_instruction_arrays
 from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
-from tests.launch import REPO, launcher_env
+from tests.launch import recipe_error
 
 transformers = pytest.importorskip("transformers")
 from tests.workers.hf_chat import make_chat_model, make_tokenizer  # noqa: E402
@@ -254,15 +252,11 @@ def test_bad_instruction_data_is_one_error_line_and_exit_2(tok_dirs, tmp_path):
     f = tmp_path / "bad.jsonl"
     bad = {"messages": [{"role": "x", "content": "a"}]}
     f.write_text('{"prompt": "q", "completion": "a"}\n' + json.dumps(bad) + "\n")
-    cmd = [sys.executable, "recipes/llama.py", "--checkpoint.init_from", f"hf:{hf_dir}",
-           "--data.path", str(f), "--train.seq_len", "32", "--data.cache_dir",
-           str(tmp_path / "cache"), "--metrics.run_dir", str(tmp_path / "run")]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, env=launcher_env(), capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), proc.stderr
-    assert f"{f}:2" in lines[0] and "unknown role 'x'" in lines[0]
+    error = recipe_error(
+        "--checkpoint.init_from", f"hf:{hf_dir}", "--data.path", str(f), "--train.seq_len", "32",
+        "--data.cache_dir", str(tmp_path / "cache"), "--metrics.run_dir", str(tmp_path / "run"),
+    )  # fmt: skip
+    assert f"{f}:2" in error and "unknown role 'x'" in error
 
 
 @pytest.mark.parametrize("dp,micro", [(1, 1), (2, 1), (2, 2), (4, 2)])

@@ -18,7 +18,6 @@ from hybrid2d.checkpoint.adapters import (  # noqa: E402
     load_peft,
     read_peft,
 )
-from hybrid2d.checkpoint.hf import model_config_from_hf  # noqa: E402
 from hybrid2d.checkpoint.reader import read_metadata  # noqa: E402
 from hybrid2d.config import JobConfig, LoraConfig, ModelConfig  # noqa: E402
 from hybrid2d.errors import ConfigError  # noqa: E402
@@ -41,11 +40,12 @@ from tests.lora_reference import (  # noqa: E402
     ours,
     peft_adapters,
     peft_twin,
+    randomize_b,
     tp4_model,
     train_peft,
 )
 from tests.reference import global_batches  # noqa: E402
-from tests.test_families import TOKENS, make_hf  # noqa: E402
+from tests.test_families import TOKENS, make_hf, ours_from_hf  # noqa: E402
 from tests.test_plan import fake_tp_mesh  # noqa: E402
 
 
@@ -67,11 +67,7 @@ def test_single_process_equals_peft(targets):
     """Logits, loss, adapter gradients and the adapters after 10 SGD steps equal PEFT's (fp32),
     and the frozen base is bit-identical after training."""
     lcfg = lora_settings(targets=targets)
-    model = ours(odd_model(), lcfg, seed=3)
-    with torch.no_grad():  # B = 0 at first: make it random, or A's gradient is zero
-        for n, p in model.named_parameters():
-            if ".lora_B." in n:
-                p.normal_(0, 0.1)
+    model = randomize_b(ours(odd_model(), lcfg, seed=3))
     twin = peft_twin(model, lcfg)
     base = {n: p.detach().clone() for n, p in model.named_parameters() if not is_adapter(n)}
     job = lora_job(odd_model(), lcfg)
@@ -142,9 +138,10 @@ def test_kv_head_layers_take_adapters_and_other_placements_are_one_line():
     model.init_weights(0)
     attn = model.model.layers[0].self_attn
     full = {p: getattr(attn, p).weight.detach().clone() for p in ("k_proj", "v_proj")}
-    lora_a = torch.randn(lcfg.rank, cfg.dim)
-    lora_b = torch.randn(cfg.n_kv_heads * cfg.head_dim, lcfg.rank)
-    x = torch.randn(2, 5, cfg.dim)
+    gen = torch.Generator().manual_seed(0)
+    lora_a = torch.randn(lcfg.rank, cfg.dim, generator=gen)
+    lora_b = torch.randn(cfg.n_kv_heads * cfg.head_dim, lcfg.rank, generator=gen)
+    x = torch.randn(2, 5, cfg.dim, generator=gen)
     rows = slice(cfg.head_dim, 2 * cfg.head_dim)  # kv head 1
     with fake_tp_mesh(3, 4) as mesh:
         apply_tp(model, mesh)
@@ -158,7 +155,10 @@ def test_kv_head_layers_take_adapters_and_other_placements_are_one_line():
                 with torch.no_grad():
                     copy_full_into(adapter.weight, value)
             want = F.linear(x, full[name][rows]) + F.linear(x, lora_b[rows] @ lora_a) * 7.0 / 3
-            torch.testing.assert_close(proj(x), want, rtol=1e-5, atol=1e-6)
+            # fp32 sums in another order: off by up to 3e-7 of the largest output (300 random
+            # draws), which fixed atol 1e-6 missed on 1 draw in 6 (outputs reach 150)
+            scale = want.abs().max().item()
+            torch.testing.assert_close(proj(x), want, rtol=1e-5, atol=1e-5 * scale)
 
         plain = Llama(cfg)  # q_proj replicated: no style of ours places a weight so
         q = plain.model.layers[0].self_attn.q_proj
@@ -319,16 +319,11 @@ def test_every_family_equals_peft(family):
     """Adapters on each family's layers (Qwen2's biased q/k/v, Qwen3's and Gemma's q/k norms,
     Gemma's sandwich norms and gelu): logits and adapter gradients equal PEFT's."""
     hf = make_hf(family)
-    model = Llama(model_config_from_hf(hf.config.to_dict()))
-    model.load_state_dict(hf.state_dict(), strict=False)  # a tied head is absent
-    model.tie_weights()
+    model = ours_from_hf(hf)
     lcfg = lora_settings(rank=3)
     apply_lora(model, lcfg)
     init_adapters(model, 0)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if ".lora_B." in n:
-                p.normal_(0, 0.1)
+    randomize_b(model)
     twin = peft_twin(model, lcfg)
     tokens, labels = TOKENS[:, :-1], TOKENS[:, 1:]
     ours_loss = mean_loss(model(tokens), labels)
@@ -343,11 +338,7 @@ def test_every_family_equals_peft(family):
 
 def test_dropout_only_while_training_and_the_start_line():
     lcfg = LoraConfig(rank=4, alpha=8.0, dropout=0.5, targets="v_proj,down_proj")
-    model = ours(odd_model(), lcfg, seed=2)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if ".lora_B." in n:
-                p.normal_(0, 0.5)
+    model = randomize_b(ours(odd_model(), lcfg, seed=2), std=0.5)
     plain = ours(odd_model(), LoraConfig(rank=4, alpha=8.0, targets="v_proj,down_proj"), seed=2)
     plain.load_state_dict(model.state_dict())
     tokens = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(0))

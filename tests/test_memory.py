@@ -332,20 +332,38 @@ def test_the_profiler_measures_the_model_and_optimizer_it_is_given_without_a_tra
 
 # ---- slow: real 4-process runs, simulation --------------------------------------------------
 
-_measured: dict = {}
+# Every 4-rank measurement of this file, trained in one launch (tests/workers/mem_runs.py):
+# llama-debug on each mesh and checkpointing mode, each family's small model on 4x1 and 2x2, and
+# LoRA runs. They took 12 launches before, and starting each was more than half of it.
+FAMILY_MESHES = [(4, 1), (2, 2)]
+LORA_SPECS = ("2x2:fp32:q_proj,v_proj,down_proj:0.1", "2x2:bf16", "4x1:bf16:::selective")
 
 
-def measured(tmp_path_factory, dp, tp, ac="none"):
-    """Per-rank results of tests/workers/mem_steps.py on (dp, tp) with activation
-    checkpointing `ac`, run once per session."""
-    if (dp, tp, ac) not in _measured:
-        out = tmp_path_factory.mktemp(f"mem{dp}x{tp}{ac}")
-        worker = ["tests/workers/mem_steps.py", str(out), str(dp), str(tp), "2", ac]
-        check_ok(run_ranks(dp * tp, worker, timeout=600))
-        _measured[dp, tp, ac] = [
-            json.loads((out / f"rank{r}.json").read_text()) for r in range(dp * tp)
-        ]
-    return _measured[dp, tp, ac]
+def memory_run_names() -> list[str]:
+    from tests.family_shapes import FAMILIES
+
+    return [
+        *(f"llama-debug@{d}x{t}:{ac}" for d, t in MESHES for ac in ("none", "full", "selective")),
+        *(f"{family}@{d}x{t}" for d, t in FAMILY_MESHES for family in FAMILIES),
+        *(f"lora@{spec}" for spec in LORA_SPECS),
+    ]
+
+
+@pytest.fixture(scope="module")
+def memory_runs(tmp_path_factory) -> dict[str, list[dict]]:
+    """run name -> each rank's results (tests/workers/mem_runs.py), one launch for them all."""
+    from tests.workers.mem_runs import file_name
+
+    out, runs = tmp_path_factory.mktemp("memory-runs"), memory_run_names()
+    check_ok(run_ranks(4, ["tests/workers/mem_runs.py", str(out), *runs], timeout=1500))
+    return {
+        run: [json.loads((out / file_name(run, r)).read_text()) for r in range(4)] for run in runs
+    }
+
+
+def measured(memory_runs, dp, tp, ac="none") -> list[dict]:
+    """Per-rank results of llama-debug on (dp, tp) with activation checkpointing `ac`."""
+    return memory_runs[f"llama-debug@{dp}x{tp}:{ac}"]
 
 
 ESTIMATE_MESHES = [
@@ -357,11 +375,11 @@ ESTIMATE_MESHES = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dp,tp", MESHES, ids=[f"dp{d}xtp{t}" for d, t in MESHES])
-def test_tracker_matches_fsdp_mem_tracker_and_state_is_exact(tmp_path_factory, dp, tp):
-    from tests.workers.mem_steps import config
+def test_tracker_matches_fsdp_mem_tracker_and_state_is_exact(memory_runs, dp, tp):
+    from tests.workers.mem_runs import llama_debug_config
 
-    cfg = config(dp, tp)
-    for rank, res in enumerate(measured(tmp_path_factory, dp, tp)):
+    cfg = llama_debug_config(dp, tp)
+    for rank, res in enumerate(measured(memory_runs, dp, tp)):
         m = res["steps"][-1]  # steady state: optimizer state exists
         est = estimate(cfg, RunLayout.on_mesh(cfg, (1, dp, tp)), rank, "cpu")
         print(
@@ -384,13 +402,13 @@ def test_tracker_matches_fsdp_mem_tracker_and_state_is_exact(tmp_path_factory, d
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dp,tp,ac", ESTIMATE_MESHES)
-def test_estimate_matches_measured_on_llama_debug(tmp_path_factory, dp, tp, ac):
+def test_estimate_matches_measured_on_llama_debug(memory_runs, dp, tp, ac):
     """Every mesh and checkpointing mode (selective on tp = 1 once kept the norms' outputs as
     if they were gathered: +8% activations here, +2.5% on one H200)."""
-    from tests.workers.mem_steps import config
+    from tests.workers.mem_runs import llama_debug_config
 
-    cfg = config(dp, tp, ac)
-    for rank, res in enumerate(measured(tmp_path_factory, dp, tp, ac)):
+    cfg = llama_debug_config(dp, tp, ac)
+    for rank, res in enumerate(measured(memory_runs, dp, tp, ac)):
         m = res["steps"][-1]
         est = estimate(cfg, RunLayout.on_mesh(cfg, (1, dp, tp)), rank, "cpu")
         # README: estimate and measurement agree within 0.1% (an estimate that forgot the
@@ -400,14 +418,15 @@ def test_estimate_matches_measured_on_llama_debug(tmp_path_factory, dp, tp, ac):
 
 
 @pytest.mark.slow
-def test_simulated_2x2_matches_real_4_process_run(tmp_path_factory):
-    from tests.workers.mem_steps import config
+def test_simulated_2x2_matches_real_4_process_run(memory_runs):
+    from tests.workers.mem_runs import llama_debug_config
 
-    real = measured(tmp_path_factory, 2, 2)
+    real = measured(memory_runs, 2, 2)
     for rank in (0, 3):
+        cfg = llama_debug_config(2, 2)
         sim = run_subprocess(
-            config(2, 2),
-            RunLayout.on_mesh(config(2, 2), (1, 2, 2)),
+            cfg,
+            RunLayout.on_mesh(cfg, (1, 2, 2)),
             rank=rank,
             target="cpu",
             timeout=600,
@@ -553,21 +572,34 @@ def test_trainer_profile_memory_and_traces_write_json_tensorboard_and_reports(tm
     assert abs(plan["peak_error"]) < 0.01, plan
 
 
-COMPILED_BLOCKS = [
-    pytest.param(tp, ac, dtype, id=f"tp{tp}-{ac}-{dtype}")
-    for tp, ac, dtype in [
-        (1, "none", "fp32"),
-        (2, "none", "bf16"),
-        (1, "full", "fp32"),
-        (1, "selective", "bf16"),
-        (2, "selective", "bf16"),
-    ]
+COMPILED_SPECS = [
+    (1, "none", "fp32"),
+    (2, "none", "bf16"),
+    (1, "full", "fp32"),
+    (1, "selective", "bf16"),
+    (2, "selective", "bf16"),
 ]
+COMPILED_BLOCKS = [pytest.param(*s, id="tp{}-{}-{}".format(*s)) for s in COMPILED_SPECS]
+
+
+_compiled_saved: dict = {}
+
+
+def compiled_saved(tmp_path_factory, tp: int) -> dict[str, float]:
+    """The bytes per token a compiled block keeps on `tp` ranks, by "AC:DTYPE", for every
+    spec of COMPILED_SPECS on that tp: one launch per tp (tests/workers/compiled_saved.py)."""
+    if tp not in _compiled_saved:
+        out = tmp_path_factory.mktemp(f"compiled-saved-tp{tp}") / "saved.json"
+        specs = [f"{ac}:{dtype}" for t, ac, dtype in COMPILED_SPECS if t == tp]
+        worker = ["tests/workers/compiled_saved.py", str(out), *specs]
+        check_ok(run_ranks(tp, worker, timeout=600))
+        _compiled_saved[tp] = json.loads(out.read_text())
+    return _compiled_saved[tp]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,ac,dtype", COMPILED_BLOCKS)
-def test_compiled_block_keeps_what_the_estimate_counts(tmp_path, tp, ac, dtype):
+def test_compiled_block_keeps_what_the_estimate_counts(tmp_path_factory, tp, ac, dtype):
     """With parallel.compile the estimate's per-block activations are what autograd keeps for
     a compiled block's backward, counted by saved-tensor hooks on a real compiled block
     (tests/workers/compiled_saved.py). The estimate's figure is the difference one more block
@@ -575,10 +607,8 @@ def test_compiled_block_keeps_what_the_estimate_counts(tmp_path, tp, ac, dtype):
     installed AOTAutograd fails to save the block's DeviceMesh; the trainer, which installs
     none, runs it, see test_paths_parity.) Each (tp, ac) runs once, with fp32 on some and bf16 on
     others, so both the dtype-sized terms and the fp32 ones (the norms' rstd) are measured: every
-    cold compile costs 13-30 s of this 2-core host."""
-    out = tmp_path / "saved.json"
-    check_ok(run_ranks(tp, ["tests/workers/compiled_saved.py", str(out), ac, dtype], timeout=300))
-    measured = json.loads(out.read_text())["bytes_per_token"]
+    cold compile costs 13-30 s of this 2-core host. One launch per tp measures all its specs."""
+    measured = compiled_saved(tmp_path_factory, tp)[f"{ac}:{dtype}"]
 
     def loss_activations(n_layers: int) -> int:
         cfg = recipes.get("llama-debug")
@@ -595,21 +625,19 @@ def test_compiled_block_keeps_what_the_estimate_counts(tmp_path, tp, ac, dtype):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dp,tp", [(4, 1), (2, 2)], ids=["dp4xtp1", "dp2xtp2"])
-def test_estimate_matches_measured_on_each_family(tmp_path, dp, tp):
+@pytest.mark.parametrize("dp,tp", FAMILY_MESHES, ids=[f"dp{d}xtp{t}" for d, t in FAMILY_MESHES])
+def test_estimate_matches_measured_on_each_family(memory_runs, dp, tp):
     """Each family's small model (tests/family_shapes.py: biases, q/k norms, Gemma's (1 + w) and
     sandwich norms, sliding windows shorter than the sequence, so CPU masks; on 2x2 Qwen2's and
     Gemma 3's one kv head is shared by both tp ranks): parameters, gradients and optimizer
-    state to the byte, activations and peak within README's 0.1%. One launch trains them all."""
+    state to the byte, activations and peak within README's 0.1%."""
     from tests.family_shapes import FAMILIES
-    from tests.workers.mem_families import config
+    from tests.workers.mem_runs import family_config
 
-    worker = ["tests/workers/mem_families.py", str(tmp_path), str(dp), str(tp), ",".join(FAMILIES)]
-    check_ok(run_ranks(dp * tp, worker, timeout=900))
     for family in FAMILIES:
-        cfg = config(family, dp, tp)
-        for rank in range(dp * tp):
-            m = json.loads((tmp_path / f"{family}-rank{rank}.json").read_text())["steps"][-1]
+        cfg = family_config(family, dp, tp)
+        for rank, res in enumerate(memory_runs[f"{family}@{dp}x{tp}"]):
+            m = res["steps"][-1]
             est = estimate(cfg, RunLayout.on_mesh(cfg, (1, dp, tp)), rank, "cpu")
             assert (est.parameters, est.gradients, est.optimizer) == (
                 m["parameters"],
@@ -620,27 +648,21 @@ def test_estimate_matches_measured_on_each_family(tmp_path, dp, tp):
             assert rel(est.peak, m["peak"]) <= ESTIMATE_REL, (family, rank, est, m)
 
 
-LORA_SPECS = ("2x2:fp32:q_proj,v_proj,down_proj:0.1", "2x2:bf16", "4x1:bf16:::selective")
-
-
 @pytest.mark.slow
-def test_lora_estimate_matches_measured(tmp_path):
-    """LoRA runs (tests/workers/mem_lora.py, one launch): a frozen base in fp32 or bf16 without
-    gradients or optimizer state, fp32 adapters sharded as parallel/lora.py shards them (rank 6:
-    FSDP pads A's rows over 4 ranks), what autograd keeps for the adapters (their inputs, the
-    rank-r intermediates, dropout's masks, only where a gradient needs them) and no longer keeps
-    for frozen weights. Parameters, gradients and optimizer state to the byte on every rank,
-    activations and peak within README's 0.1%, and the peak well below full fine-tuning's."""
-    from tests.workers.mem_lora import config, file_name, parse
+def test_lora_estimate_matches_measured(memory_runs):
+    """LoRA runs: a frozen base in fp32 or bf16 without gradients or optimizer state, fp32
+    adapters sharded as parallel/lora.py shards them (rank 6: FSDP pads A's rows over 4 ranks),
+    what autograd keeps for the adapters (their inputs, the rank-r intermediates, dropout's
+    masks, only where a gradient needs them) and no longer keeps for frozen weights. Parameters,
+    gradients and optimizer state to the byte on every rank, activations and peak within
+    README's 0.1%, and the peak well below full fine-tuning's."""
+    from tests.workers.mem_runs import lora_config
 
-    check_ok(run_ranks(4, ["tests/workers/mem_lora.py", str(tmp_path), *LORA_SPECS], timeout=600))
     for spec in LORA_SPECS:
-        dp, tp, *_ = parse(spec)
-        cfg = config(spec)
-        layout = RunLayout.on_mesh(cfg, (1, dp, tp))
-        for rank in range(dp * tp):
-            m = json.loads((tmp_path / f"{file_name(spec)}-rank{rank}.json").read_text())
-            m = m["steps"][-1]
+        cfg = lora_config(spec)
+        layout = RunLayout.on_mesh(cfg, (1, cfg.parallel.dp_shard, cfg.parallel.tp))
+        for rank, res in enumerate(memory_runs[f"lora@{spec}"]):
+            m = res["steps"][-1]
             est = estimate(cfg, layout, rank, "cpu")
             assert (est.parameters, est.gradients, est.optimizer) == (
                 m["parameters"],

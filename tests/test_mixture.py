@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -22,8 +20,9 @@ from hybrid2d.data.loader import GlobalBatchLoader
 from hybrid2d.data.mixture import MixtureLoader, parse_mixture
 from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
-from tests.launch import REPO, launcher_env
-from tests.test_shards import VOCAB, make_tokenizer, one_line, stdlib_texts, tool, write_jsonl
+from tests.checks import one_line
+from tests.launch import recipe_error, recipe_run
+from tests.test_shards import VOCAB, make_tokenizer, stdlib_texts, tool, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -174,31 +173,27 @@ def test_a_run_reports_tokens_per_source_and_resumes_them(sources, tmp_path):
     a weight of 0 is one line and exit 2 before the first step."""
     run = tmp_path / "run"
     mix = f"web={sources}/web-tok:0.6,notes={sources}/notes.txt:0.4"
-    cmd = [sys.executable, "recipes/llama.py", "--data.mixture", mix, "--data.tokenizer",
-           str(sources / "tok.json"), "--data.cache_dir", str(sources / "cache"),
-           "--model.vocab_size", str(VOCAB), "--train.steps", "3",
-           "--metrics.run_dir", str(run)]  # fmt: skip
-    for extra in (["--checkpoint.stop_after", "2"], ["--checkpoint.resume", "auto"]):
-        proc = subprocess.run(cmd + extra, cwd=REPO, env=launcher_env(), capture_output=True,
-                              text=True, timeout=300)  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resumed from" in proc.stdout
+
+    def settings(mixture: str) -> list[str]:
+        return ["--data.mixture", mixture, "--data.tokenizer", str(sources / "tok.json"),
+                "--data.cache_dir", str(sources / "cache"), "--model.vocab_size", str(VOCAB),
+                "--train.steps", "3"]  # fmt: skip
+
+    recipe_run(run, *settings(mix), "--checkpoint.stop_after", "2")
+    out, summary = recipe_run(run, *settings(mix), "--checkpoint.resume", "auto")
+    assert "resumed from" in out
     cfg = json.loads((run / "config.json").read_text())
     batch, seq = cfg["train"]["global_batch"], cfg["train"]["seq_len"]
     probe = job(sources, mix.replace(str(sources), "{r}"))
     probe.train.seq_len, probe.train.global_batch = seq, batch
     choices = loaders(probe, 1)[0].loader.choices(0, 3 * batch)
     drawn = np.bincount(choices, minlength=2)
-    mixture = json.loads((run / "summary.json").read_text())["data"]["mixture"]
+    mixture = summary["data"]["mixture"]
     assert [mixture[n]["tokens"] for n in ("web", "notes")] == list(drawn * seq)
     by_step2 = np.bincount(choices[: 2 * batch], minlength=2)
     for i, name in enumerate(("web", "notes")):  # step 2 from the first launch, 3 the resumed
         got = scalars(run, f"data/tokens_{name}")
         assert got[1:] == [(2, float(by_step2[i] * seq)), (3, float(drawn[i] * seq))], got
-    bad = subprocess.run(cmd[:3] + [mix.replace(":0.4", ":0")] + cmd[4:] + ["--metrics.run_dir",
-                         str(tmp_path / "bad")], cwd=REPO, env=launcher_env(),
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert bad.returncode == 2
-    lines = [ln for ln in bad.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and "source 'notes' has weight '0'" in lines[0], bad.stderr
-    assert "step 1" not in bad.stdout
+    bad = settings(mix.replace(":0.4", ":0"))
+    error = recipe_error(*bad, "--metrics.run_dir", str(tmp_path / "bad"))
+    assert "source 'notes' has weight '0'" in error, error

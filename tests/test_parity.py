@@ -136,7 +136,8 @@ def family_reference(name: str) -> dict:
 
 
 # Runs beside the plain ones: compiled blocks under selective checkpointing on (2, 2) (gemma3's
-# tp 2 shares its one kv head) and full checkpointing on (1, 4).
+# tp 2 shares its one kv head; the suite's only compiled selective run: FSDP around compiled
+# tensor-parallel blocks, see test_paths_parity for the others) and full checkpointing on (1, 4).
 VARIANTS = {
     (2, 2): {"gemma3-compiled": ("gemma3", ["--parallel.compile", "true",
                                              "--parallel.activation_checkpoint", "selective"])},
@@ -168,8 +169,10 @@ def family_runs(tmp_path_factory):
             runs.append({"name": "qwen2-hf", "model": FAMILIES["qwen2"], **hf})
         out = tmp / f"{dp}x{tp}.pt"
         args = ["tests/workers/parity.py", "families", str(out), str(dp), str(tp), json.dumps(runs)]
-        check_ok(run_ranks(dp * tp, args, timeout=600))
+        results = run_ranks(dp * tp, args, timeout=600)
+        check_ok(results)
         got[(dp, tp)] = torch.load(out)
+        got[("stderr", dp, tp)] = [r.stderr for r in results]
         if (dp, tp) == (2, 2):
             step = ckpt_layout.final_dir(tmp / "run-qwen2", 5)
             convert_dcp_to_hf(str(step), str(exported), progress=False)
@@ -196,6 +199,15 @@ def test_every_family_trains_like_one_process_on_every_mesh(family_runs, name):
         assert_matches(got, ref, where=f"mesh {mesh}: ")
         for pname, p in ref["params"].items():
             assert relative(got["params"][pname], p.detach()) <= 1e-5, (mesh, pname)
+
+
+def test_compiled_selective_blocks_print_no_in_place_advice(family_runs):
+    """torch.compile printed its in-place advice for a checkpoint with a context_fn on every
+    rank of a compiled selective run (parallel/activation_checkpoint.py drops it); the (2, 2)
+    launch holds one such run, which trains like one process (the test above)."""
+    assert "gemma3-compiled" in family_runs[(2, 2)]
+    stderr = family_runs[("stderr", 2, 2)]
+    assert len(stderr) == 4 and not any("context_fn is passed" in err for err in stderr)
 
 
 def test_kv_heads_shared_over_tp_are_stored_once_and_load_from_hf(family_runs):

@@ -1,8 +1,12 @@
 """Worker: one llama-debug block, tensor-parallel over all ranks and under torch.compile, run
 forward once under saved-tensor hooks; rank 0 writes the bytes per token that autograd keeps
-for backward (parameters, the rope tables and checkpointing's RNG state excluded) to OUT.
+for backward (parameters, the rope tables and checkpointing's RNG state excluded) to OUT as
+{"AC:DTYPE": bytes per token}, one entry per spec.
 
-usage: compiled_saved.py OUT AC DTYPE(fp32|bf16)
+usage: compiled_saved.py OUT AC:DTYPE [AC:DTYPE ...]   (DTYPE fp32 or bf16)
+
+Each spec compiles its block after torch.compiler.reset(), as a fresh process would; the
+launch pays for starting its ranks and for inductor's first use once, not once per spec.
 """
 
 import dataclasses
@@ -22,19 +26,28 @@ from hybrid2d.parallel.activation_checkpoint import apply_ac
 from hybrid2d.parallel.tensor_parallel import apply_tp
 
 BATCH, SEQ = 2, 256
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def main():
-    out, ac, dtype = (
-        sys.argv[1],
-        sys.argv[2],
-        {"fp32": torch.float32, "bf16": torch.bfloat16}[sys.argv[3]],
-    )
+    out, specs = sys.argv[1], sys.argv[2:]
     init_distributed("cpu", 300)
     tp = dist.get_world_size()
     cfg = recipes.get("llama-debug")
     mesh = build_mesh("cpu", RunLayout.build(cfg, tp, dp_shard=1, tp=tp))
-    m = cfg.model
+    result = {}
+    for spec in specs:
+        ac, dtype = spec.split(":")
+        torch.compiler.reset()  # a cold compile of this spec's block, as in a fresh process
+        result[spec] = bytes_per_token(cfg.model, mesh, tp, ac, DTYPES[dtype])
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+    shutdown_distributed()
+
+
+def bytes_per_token(m, mesh, tp: int, ac: str, dtype: torch.dtype) -> float:
+    """What autograd keeps per token for one compiled block of model shape `m` (see above)."""
     torch.manual_seed(0)
     model = Llama(dataclasses.replace(m, n_layers=1)).to(dtype)
     apply_tp(model, mesh.tp_mesh)
@@ -65,10 +78,7 @@ def main():
             block(x, cos, sin).float().sum().backward()
     if dist.get_rank() == 0 and os.environ.get("SHOW_SAVED"):
         print(kept)
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump({"bytes_per_token": sum(kept.values()) / (BATCH * SEQ)}, f)
-    shutdown_distributed()
+    return sum(kept.values()) / (BATCH * SEQ)
 
 
 if __name__ == "__main__":
