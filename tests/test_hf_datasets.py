@@ -29,8 +29,9 @@ from hybrid2d.data.tokens import encode_documents, tokenize_corpus
 from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
 from hybrid2d.paths import HFSource, data_source, hf_source
+from tests.checks import one_line
 from tests.launch import REPO, launcher_env
-from tests.test_shards import VOCAB, make_tokenizer, one_line, stdlib_texts, tool, write_jsonl
+from tests.test_shards import VOCAB, make_tokenizer, stdlib_texts, tool, write_jsonl
 
 datasets = pytest.importorskip("datasets")  # the dev extra installs it
 

@@ -34,6 +34,7 @@ from hybrid2d.data.shards import INDEX, open_shards
 from hybrid2d.data.tokens import encode_documents
 from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
+from tests.checks import one_line
 from tests.launch import REPO, launcher_env
 
 VOCAB = 1024
@@ -111,14 +112,6 @@ def job(root, path, document_mask="off") -> JobConfig:
     cfg.data.cache_dir, cfg.data.document_mask = str(root / "cache"), document_mask
     cfg.model.vocab_size, cfg.train.seq_len, cfg.train.global_batch = VOCAB, 37, 6
     return cfg
-
-
-def one_line(excinfo, *needles) -> str:
-    msg = str(excinfo.value)
-    assert "\n" not in msg, msg
-    for needle in needles:
-        assert needle in msg, msg
-    return msg
 
 
 def test_shards_are_the_inline_token_stream(made):

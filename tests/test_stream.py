@@ -10,9 +10,6 @@ collective, which the trainer runs over the dp group.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import threading
 
 import numpy as np
@@ -27,8 +24,9 @@ from hybrid2d.data.packing import PackedDataset
 from hybrid2d.data.tokens import encode_documents
 from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
-from tests.launch import REPO, launcher_env, torchrun
-from tests.test_shards import VOCAB, make_tokenizer, one_line, stdlib_texts, write_jsonl
+from tests.checks import one_line
+from tests.launch import recipe_run
+from tests.test_shards import VOCAB, make_tokenizer, stdlib_texts, write_jsonl
 
 SEQ, BATCH = 37, 6
 
@@ -212,19 +210,14 @@ def test_a_streamed_2x2_run_resumes_in_one_process_with_the_straight_runs_losses
     another order); the summary reports the data wait."""
 
     def run(ranks, run_dir, *more, streaming="true"):
-        recipe = ["recipes/llama.py", "--data.streaming", streaming, "--data.shuffle_block", "5",
-                  "--data.path",
-                  str(corpus / "c"), "--data.tokenizer", str(corpus / "tok.json"),
-                  "--data.cache_dir", str(tmp_path / "cache"), "--model.vocab_size", str(VOCAB),
-                  "--train.seq_len", "64", "--train.global_batch", "4", "--train.steps", "4",
-                  "--metrics.run_dir", str(run_dir), "--metrics.progress_bar", "false",
-                  *more]  # fmt: skip
-        cmd = torchrun(ranks, *recipe, "--parallel.tp", "2") if ranks > 1 else [
-            sys.executable, *recipe]  # fmt: skip
-        proc = subprocess.run(cmd, cwd=REPO, env=launcher_env(), capture_output=True, text=True,
-                              timeout=300)  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return json.loads((run_dir / "summary.json").read_text())
+        tp = ["--parallel.tp", "2"] if ranks > 1 else []
+        return recipe_run(
+            run_dir, "--data.streaming", streaming, "--data.shuffle_block", "5",
+            "--data.path", str(corpus / "c"), "--data.tokenizer", str(corpus / "tok.json"),
+            "--data.cache_dir", str(tmp_path / "cache"), "--model.vocab_size", str(VOCAB),
+            "--train.seq_len", "64", "--train.global_batch", "4", "--train.steps", "4",
+            "--metrics.progress_bar", "false", *tp, *more, ranks=ranks,
+        )[1]  # fmt: skip
 
     straight = run(1, tmp_path / "straight")
     inline = run(1, tmp_path / "inline", streaming="false")

@@ -19,9 +19,10 @@ from hybrid2d.data import build_run_data
 from hybrid2d.data.stream import WindowStream
 from hybrid2d.errors import ConfigError
 from hybrid2d.layout import RunLayout
+from tests.checks import one_line
 from tests.reference import tiny_config
 from tests.test_checkpoint import one_rank  # noqa: F401 (a fixture)
-from tests.test_shards import VOCAB, make_tokenizer, one_line, stdlib_texts, tool, write_jsonl
+from tests.test_shards import VOCAB, make_tokenizer, stdlib_texts, tool, write_jsonl
 from tests.test_stream import Group, run_steps
 
 SEQ, BATCH, BLOCK, SEED = 23, 6, 5, 3
