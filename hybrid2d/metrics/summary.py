@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from hybrid2d.data.build import RunData
+from hybrid2d.data.run_data import RunData
 from hybrid2d.mesh import Mesh
 from hybrid2d.metrics.progress import RunProgress
 from hybrid2d.metrics.writer import peak_memory_bytes

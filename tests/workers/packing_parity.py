@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 from hybrid2d.config import LoraConfig
 from hybrid2d.data.batch import Batch
-from hybrid2d.data.build import EvalSet, PackedRows
 from hybrid2d.data.instruct import IGNORE_INDEX, InstructionDataset, InstructStats
 from hybrid2d.data.loader import GlobalBatchLoader
+from hybrid2d.data.run_data import EvalSet, PackedRows
 from hybrid2d.layout import RunLayout
 from hybrid2d.mesh import build_mesh, init_distributed, shutdown_distributed
 from hybrid2d.parallel.lora import adapter_state, sum_replicated_grads
