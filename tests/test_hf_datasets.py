@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import pyarrow as pa
@@ -32,6 +31,7 @@ from hybrid2d.paths import HFSource, data_source, hf_source
 from tests.checks import one_line
 from tests.launch import REPO, launcher_env
 from tests.test_shards import VOCAB, make_tokenizer, stdlib_texts, tool, write_jsonl
+from tests.test_stream import joined, loaders, run_steps
 
 datasets = pytest.importorskip("datasets")  # the dev extra installs it
 
@@ -151,43 +151,6 @@ def test_training_reads_a_saved_dataset_as_it_reads_the_same_jsonl(made):
         assert np.array_equal(source.tokens, reference_tokens(made))
 
 
-class Group:
-    """all_gather over threads that stand for dp ranks."""
-
-    def __init__(self, size: int):
-        self.slots, self.barrier = [None] * size, threading.Barrier(size, timeout=60)
-
-    def all_gather(self, rank: int):
-        def gather(obj) -> list:
-            self.slots[rank] = obj
-            self.barrier.wait()
-            out = list(self.slots)
-            self.barrier.wait()
-            return out
-
-        return gather
-
-
-def streamed(cfg, dp: int, steps: int) -> list[torch.Tensor]:
-    """The global batches of `steps` steps of dp streaming loaders (a thread each)."""
-    layout, group = RunLayout.build(cfg, dp), Group(dp)
-    ranks = [build_run_data(cfg, layout, r, False, lambda: None, group.all_gather(r)).loader
-             for r in range(dp)]  # fmt: skip
-    out = [[None] * steps for _ in ranks]
-
-    def run(r):
-        out[r] = [ranks[r].next_batch()[0].inputs for _ in range(steps)]
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(dp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    for ld in ranks:
-        ld.close()
-    return [torch.cat([out[r][s] for r in range(dp)]) for s in range(steps)]
-
-
 def test_streaming_reads_a_saved_dataset_and_an_hf_dir_as_the_inline_stream(made):
     """Streamed from either, the global batches are the inline .jsonl run's (the one order of
     data.shuffle_block; blocks of 5 windows, so several blocks and a short last one), into the
@@ -201,7 +164,7 @@ def test_streaming_reads_a_saved_dataset_and_an_hf_dir_as_the_inline_stream(made
     for path in (made / "saved", f"hf:{made / 'files'}"):
         cfg = job(made, path, streaming=True)
         cfg.data.shuffle_block = 5
-        got = streamed(cfg, 2, steps)
+        got = [joined(step) for step in run_steps(loaders(cfg, 2), steps)]
         for s, batch in enumerate(got):
             assert torch.equal(batch, want[s]), (path, s)
 

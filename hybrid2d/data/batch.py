@@ -56,3 +56,7 @@ class Batch(NamedTuple):
     def rows(self, lo: int, hi: int) -> Batch:
         """Rows [lo, hi), as contiguous copies."""
         return Batch(*(None if t is None else t[lo:hi].contiguous() for t in self))
+
+    def micro_batches(self, size: int) -> list[Batch]:
+        """The rows in consecutive micro batches of `size` (a loader's step for one rank)."""
+        return [self.rows(i, i + size) for i in range(0, len(self.inputs), size)]

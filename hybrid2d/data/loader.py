@@ -96,8 +96,7 @@ class GlobalBatchLoader:
             start = self.samples_consumed + lo
             batch = self.dataset.gather(self.sample_indices(start, self.local_batch))
         self.samples_consumed += k
-        mb = self.micro_batch
-        return [batch.rows(i, i + mb) for i in range(0, self.local_batch, mb)]
+        return batch.micro_batches(self.micro_batch)
 
     def state_dict(self) -> dict:
         return {

@@ -209,8 +209,7 @@ class MixtureLoader:
         step = self.choices(self.samples_consumed, self.global_batch)
         self.taken = self.taken + np.bincount(step, minlength=len(self.datasets))
         self.samples_consumed += self.global_batch
-        mb = self.micro_batch
-        return [batch.rows(i, i + mb) for i in range(0, self.local_batch, mb)]
+        return batch.micro_batches(self.micro_batch)
 
     def tokens_seen(self) -> dict[str, int]:
         """Label tokens each source gave so far (global, every launch of the run)."""

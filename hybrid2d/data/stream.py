@@ -335,8 +335,7 @@ class StreamingLoader:
         lo = self.dp_rank * self.local_batch
         mine = torch.from_numpy(np.stack(rows[lo : lo + self.local_batch]).astype(np.int64))
         batch = windows_batch(mine, self.eos)
-        mb = self.micro_batch
-        return [batch.rows(i, i + mb) for i in range(0, self.local_batch, mb)]
+        return batch.micro_batches(self.micro_batch)
 
     def state_dict(self) -> dict:
         """The position: the global samples, and the stream's (WindowStream.position)."""
